@@ -1,0 +1,123 @@
+"""Loading llama-cpp-python, version pinning, and detection of the kvlocal patch series."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+
+from ..errors import UsageError
+
+# llama.cpp's internal formats (the sequence-state blob, graph node names) change between versions;
+# everything in runtime/ was checked against this one.
+REQUIRED_LLAMA_CPP_PYTHON = "0.3.36"
+# LLAMA_KVLOCAL_ABI_VERSION written by the last patch in ggml_patches/
+REQUIRED_PATCH_ABI = 2
+
+BUILD_HINT = "run `python ggml_patches/build.py` (see README)"
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    version: str  # llama-cpp-python version
+    library: str  # path of the libllama that was loaded
+    patch_abi: int  # LLAMA_KVLOCAL_ABI_VERSION of the loaded library, 0 for a stock build
+    gpu_offload: bool  # the build has a GPU backend (CUDA, Metal, ...)
+    system_info: str  # llama_print_system_info(): the CPU features / backends compiled in
+
+    @property
+    def patched(self) -> bool:
+        return self.patch_abi > 0
+
+    def describe(self) -> str:
+        kind = f"patched (kvlocal ABI {self.patch_abi})" if self.patched else "stock (not patched)"
+        return f"llama-cpp-python {self.version}, {kind}"
+
+
+def _import_llama_cpp():
+    try:
+        import llama_cpp
+        import llama_cpp.llama_cpp as lib
+    except ImportError as e:
+        raise UsageError(f"llama-cpp-python is not installed ({e}): {BUILD_HINT}") from None
+    except (OSError, RuntimeError) as e:  # the shared library failed to load
+        raise UsageError(f"llama.cpp library failed to load ({e}): {BUILD_HINT}") from None
+    return llama_cpp, lib
+
+
+@functools.lru_cache(maxsize=None)
+def llama_lib():
+    """The ``llama_cpp.llama_cpp`` module, after the version check. Raises UsageError on a mismatch."""
+    llama_cpp, lib = _import_llama_cpp()
+    version = getattr(llama_cpp, "__version__", "?")
+    if version != REQUIRED_LLAMA_CPP_PYTHON and not os.environ.get("KVLOCAL_ALLOW_ANY_LLAMA_CPP"):
+        raise UsageError(
+            f"kvlocal needs llama-cpp-python {REQUIRED_LLAMA_CPP_PYTHON}, found {version}: {BUILD_HINT}"
+        )
+    lib.llama_backend_init()
+    _silence_logs(lib)
+    return lib
+
+
+_LOG_CB = None  # keep the ctypes callback alive
+
+
+def _silence_logs(lib) -> None:
+    """llama.cpp logs every load to stderr; keep errors only, unless KVLOCAL_VERBOSE is set."""
+    global _LOG_CB
+    if os.environ.get("KVLOCAL_VERBOSE"):
+        return
+
+    @lib.llama_log_callback
+    def _cb(level, text, user_data):
+        if level >= 4:  # GGML_LOG_LEVEL_ERROR
+            os.write(2, text)
+
+    _LOG_CB = _cb
+    lib.llama_log_set(_cb, ctypes.c_void_p(0))
+
+
+def _symbol(name: str, restype, argtypes):
+    """A function of libllama that llama-cpp-python does not bind (our patch's), or None if absent."""
+    try:
+        fn = getattr(llama_lib()._lib, name)
+    except AttributeError:
+        return None
+    fn.restype = restype
+    fn.argtypes = argtypes
+    return fn
+
+
+@functools.lru_cache(maxsize=None)
+def patch_functions():
+    """ctypes handles of the functions our patch series adds; None for each one the library lacks."""
+    return {
+        "abi_version": _symbol("llama_kvlocal_abi_version", ctypes.c_int32, []),
+        "seq_cells": _symbol(
+            "llama_memory_seq_cells",
+            ctypes.c_int32,
+            [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.c_int32],
+        ),
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_info() -> RuntimeInfo:
+    """What runtime kvlocal runs on. A stock runtime is reported, not refused: eviction works on it."""
+    lib = llama_lib()
+    abi_fn = patch_functions()["abi_version"]
+    abi = int(abi_fn()) if abi_fn else 0
+    if abi and abi != REQUIRED_PATCH_ABI:
+        raise UsageError(
+            f"llama.cpp was built from kvlocal patch ABI {abi}, this kvlocal needs {REQUIRED_PATCH_ABI}: {BUILD_HINT}"
+        )
+    import llama_cpp
+
+    return RuntimeInfo(
+        version=llama_cpp.__version__,
+        library=str(getattr(lib._lib, "_name", "?")),
+        patch_abi=abi,
+        gpu_offload=bool(lib.llama_supports_gpu_offload()),
+        system_info=lib.llama_print_system_info().decode(errors="replace").strip(),
+    )

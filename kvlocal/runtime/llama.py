@@ -1,0 +1,244 @@
+"""Model and context on llama.cpp's low-level API.
+
+A :class:`Context` decodes tokens at explicit positions (after eviction, cell index, position and
+token index part ways) and exposes the few memory operations kvlocal needs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import UsageError
+from ..gguf_file import check_gguf
+from .library import llama_lib, patch_functions
+
+
+def _no_progress(progress, user_data):
+    return True
+
+
+_NO_PROGRESS = None
+
+
+def default_threads() -> int:
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+class Model:
+    """A GGUF model loaded by llama.cpp: weights, vocabulary, metadata, chat template."""
+
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0):
+        self.path = Path(path)
+        check_gguf(self.path)
+        global _NO_PROGRESS
+        lib = llama_lib()
+        if _NO_PROGRESS is None:
+            _NO_PROGRESS = lib.llama_progress_callback(_no_progress)
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.progress_callback = _NO_PROGRESS  # llama.cpp prints dots to stderr otherwise
+        self._ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self._ptr:
+            raise UsageError(f"llama.cpp could not load {self.path}: the file may be damaged or of an unsupported architecture; re-download it (`kvlocal pull`)")
+        self._vocab = lib.llama_model_get_vocab(self._ptr)
+        self.n_vocab = lib.llama_vocab_n_tokens(self._vocab)
+        self.n_layer = lib.llama_model_n_layer(self._ptr)
+        self.n_head = lib.llama_model_n_head(self._ptr)
+        self.n_head_kv = lib.llama_model_n_head_kv(self._ptr)
+        self.n_embd = lib.llama_model_n_embd(self._ptr)
+        self.n_ctx_train = lib.llama_model_n_ctx_train(self._ptr)
+
+    def close(self) -> None:
+        if getattr(self, "_ptr", None):
+            llama_lib().llama_model_free(self._ptr)
+            self._ptr = None
+
+    __del__ = close
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = llama_lib().llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
+        return buf.value.decode(errors="replace") if n >= 0 else None
+
+    def desc(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        llama_lib().llama_model_desc(self._ptr, buf, len(buf))
+        return buf.value.decode(errors="replace")
+
+    # -- tokens -------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        lib = llama_lib()
+        data = text.encode()
+        n_max = len(data) + 8
+        buf = (lib.llama_token * n_max)()
+        n = lib.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:  # buffer too small: -n is the size needed
+            buf = (lib.llama_token * -n)()
+            n = lib.llama_tokenize(self._vocab, data, len(data), buf, -n, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = llama_lib().llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_lib().llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in tokens).decode(errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_lib().llama_vocab_is_eog(self._vocab, token))
+
+    def chat_prompt(self, messages: list[dict], add_assistant: bool = True) -> str:
+        """Render messages with the model's own chat template (llama.cpp's built-in templates)."""
+        lib = llama_lib()
+        tmpl = lib.llama_model_chat_template(self._ptr, None)
+        if not tmpl:
+            raise UsageError(f"{self.path.name} has no chat template: run without --chat / use `kvlocal run`")
+        keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
+        arr = (lib.llama_chat_message * len(keep))()
+        for i, (role, content) in enumerate(keep):
+            arr[i].role, arr[i].content = role, content
+        size = 2 * sum(len(r) + len(c) for r, c in keep) + 1024
+        buf = ctypes.create_string_buffer(size)
+        n = lib.llama_chat_apply_template(tmpl, arr, len(keep), add_assistant, buf, size)
+        if n > size:
+            buf = ctypes.create_string_buffer(n + 1)
+            n = lib.llama_chat_apply_template(tmpl, arr, len(keep), add_assistant, buf, n + 1)
+        if n < 0:
+            raise UsageError(f"llama.cpp does not know the chat template of {self.path.name}")
+        return buf.raw[:n].decode(errors="replace")
+
+
+class Context:
+    """A llama.cpp context with one sequence (id 0) whose tokens kvlocal places itself.
+
+    Not thread-safe: one thread at a time may decode in a context.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        n_ctx: int,
+        n_batch: int = 512,
+        flash_attn: bool = False,
+        n_threads: int | None = None,
+        rope_freq_base: float = 0.0,
+        type_k: int | None = None,
+        type_v: int | None = None,
+        cb_eval=None,
+    ):
+        lib = llama_lib()
+        self.model = model
+        params = lib.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = min(n_batch, 512)
+        params.n_seq_max = 1
+        params.n_threads = params.n_threads_batch = n_threads or default_threads()
+        # AUTO turns flash attention on, which removes kq_soft_max and is slower for decode on CPU
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.rope_freq_base = rope_freq_base
+        if type_k is not None:
+            params.type_k = type_k
+        if type_v is not None:
+            params.type_v = type_v
+        if cb_eval is not None:
+            self._cb_eval = lib.ggml_backend_sched_eval_callback(cb_eval)
+            params.cb_eval = self._cb_eval
+        self._ptr = lib.llama_init_from_model(model._ptr, params)
+        if not self._ptr:
+            raise UsageError(f"llama.cpp could not create a context of {n_ctx} cells: lower -c/--ctx-size or --budget")
+        self.n_ctx = lib.llama_n_ctx(self._ptr)
+        self.n_batch = n_batch
+        self._mem = lib.llama_get_memory(self._ptr)
+        self._batch = lib.llama_batch_init(n_batch, 0, 1)
+
+    def close(self) -> None:
+        if getattr(self, "_ptr", None):
+            lib = llama_lib()
+            lib.llama_batch_free(self._batch)
+            lib.llama_free(self._ptr)
+            self._ptr = None
+
+    __del__ = close
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int] | None = None, logits: str = "last") -> np.ndarray:
+        """Decode tokens into sequence 0 at the given positions (default: after the last one held).
+
+        logits: "last" returns [n_vocab] for the last token, "all" returns [T, n_vocab], "none" returns
+        an empty array. Long inputs are split into batches of n_batch.
+        """
+        lib = llama_lib()
+        if positions is None:
+            start = self.pos_max() + 1
+            positions = range(start, start + len(tokens))
+        if len(positions) != len(tokens):
+            raise ValueError("tokens and positions differ in length")
+        out = []
+        for b0 in range(0, len(tokens), self.n_batch):
+            b1 = min(b0 + self.n_batch, len(tokens))
+            batch = self._batch
+            batch.n_tokens = b1 - b0
+            for j, i in enumerate(range(b0, b1)):
+                batch.token[j] = tokens[i]
+                batch.pos[j] = positions[i]
+                batch.n_seq_id[j] = 1
+                batch.seq_id[j][0] = 0
+                batch.logits[j] = logits == "all" or (logits == "last" and i == len(tokens) - 1)
+            rc = lib.llama_decode(self._ptr, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed ({rc}): the context of {self.n_ctx} cells may be full")
+            if logits == "all":
+                ptr = lib.llama_get_logits(self._ptr)
+                out.append(np.ctypeslib.as_array(ptr, shape=(b1 - b0, self.model.n_vocab)).copy())
+        if logits == "all":
+            return np.concatenate(out)
+        if logits == "last":
+            ptr = lib.llama_get_logits_ith(self._ptr, -1)
+            return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy()
+        return np.empty(0, dtype=np.float32)
+
+    # -- memory ---------------------------------------------------------------------------------
+    def pos_max(self) -> int:
+        return llama_lib().llama_memory_seq_pos_max(self._mem, 0)
+
+    def clear(self) -> None:
+        llama_lib().llama_memory_clear(self._mem, True)
+
+    def remove(self, p0: int, p1: int = -1) -> None:
+        """Remove the tokens at positions [p0, p1) of sequence 0 (p1 < 0: to the end)."""
+        if not llama_lib().llama_memory_seq_rm(self._mem, 0, p0, p1):
+            raise RuntimeError(f"llama_memory_seq_rm({p0}, {p1}) failed")
+
+    def cells(self) -> tuple[np.ndarray, np.ndarray]:
+        """(cell indices, positions) held by sequence 0, in cell order. Needs the patched runtime."""
+        fn = patch_functions()["seq_cells"]
+        if fn is None:
+            raise UsageError("listing KV cells needs kvlocal's patched llama.cpp: run `python ggml_patches/build.py`")
+        n = fn(self._mem, 0, None, None, 0)
+        if n < 0:
+            raise RuntimeError("llama_memory_seq_cells: this model's memory is not a single KV cache")
+        cells = np.zeros(n, dtype=np.int32)
+        pos = np.zeros(n, dtype=np.int32)
+        if n:
+            fn(self._mem, 0, cells.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n)
+        return cells, pos
+
+    def kv_bytes(self) -> int:
+        """Bytes of K and V buffers allocated by this context (from llama.cpp's state size of an empty cache is not
+        meaningful, so it is computed from the cache geometry)."""
+        return kv_cache_bytes(self.model, self.n_ctx)
+
+
+def kv_cache_bytes(model: Model, n_ctx: int, bytes_per_elem: float = 2.0) -> int:
+    """K+V bytes for n_ctx cells of an F16 cache: 2 · n_layer · n_ctx · n_head_kv · head_dim · 2 bytes."""
+    head_dim = model.n_embd // model.n_head
+    return int(2 * model.n_layer * n_ctx * model.n_head_kv * head_dim * bytes_per_elem)
