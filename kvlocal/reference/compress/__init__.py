@@ -1,0 +1,66 @@
+"""Reference (PyTorch) versions of the compression maths, each operating on a cache layer.
+
+Eviction scorers follow one contract (see :mod:`.base`) and compose by wrapping::
+
+    SnapKV()                          # window-attention vote, pooled, GQA mean
+    StreamingLLM()                    # sinks + most recent
+    CriticalKV(SnapKV())              # two-stage: attention, then attention x ||v W_O||_1
+    AdaKV(CriticalKV(SnapKV()))       # head-wise budgets (AdaKV outermost)
+
+    plan = scorer.plan(layer_kv, Observation(q=q_win, q_pos=q_pos, wo=o_proj_weight), budget)
+    apply_keep(layer_kv, plan)        # or scorer.compress(...)
+
+Merging is separate: ``KVSlimmer().compress(layer_kv, obs, budget)`` (plan: :class:`MergePlan`).
+"""
+
+from kvlocal.reference.compress.adakv import AdaKV, adakv_budgets
+from kvlocal.reference.compress.base import (
+    KeepPlan,
+    Observation,
+    Scorer,
+    apply_keep,
+    gather_rows,
+    live_mask,
+    protected_mask,
+    select,
+    window_attention,
+)
+from kvlocal.reference.compress.criticalkv import CriticalKV, projected_value_norms, two_stage
+from kvlocal.reference.compress.kvslimmer import (
+    KVSlimmer,
+    MergePlan,
+    apply_merges,
+    hessian_norms,
+    merge_weights,
+    select_pairs,
+    slot_attention,
+)
+from kvlocal.reference.compress.snapkv import SnapKV, pool1d
+from kvlocal.reference.compress.streaming import StreamingLLM
+
+__all__ = [
+    "AdaKV",
+    "CriticalKV",
+    "KVSlimmer",
+    "KeepPlan",
+    "MergePlan",
+    "Observation",
+    "Scorer",
+    "SnapKV",
+    "StreamingLLM",
+    "adakv_budgets",
+    "apply_keep",
+    "apply_merges",
+    "gather_rows",
+    "hessian_norms",
+    "live_mask",
+    "merge_weights",
+    "pool1d",
+    "projected_value_norms",
+    "protected_mask",
+    "select",
+    "select_pairs",
+    "slot_attention",
+    "two_stage",
+    "window_attention",
+]

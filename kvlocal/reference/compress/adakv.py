@@ -1,0 +1,99 @@
+"""AdaKV: share a layer's budget between its KV heads by a flattened top-k over their scores."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlocal.reference.cache import LayerKV
+from kvlocal.reference.compress.base import KeepPlan, Observation, Scorer, order_desc, select
+from kvlocal.reference.compress.snapkv import SnapKV
+
+
+def flat_counts(scores: torch.Tensor, total: int, pos: torch.Tensor) -> torch.Tensor:
+    """How many of the ``total`` best entries of the flattened [Hkv, S] scores fall in each head.
+
+    Ties (all protected rows score +inf) go to the later position, then to the lower head.
+    """
+    hkv, s = scores.shape
+    order = order_desc(scores.reshape(1, -1), pos.reshape(1, -1))[0, :total]
+    return torch.bincount(order // s, minlength=hkv)
+
+
+def largest_remainder(x: torch.Tensor, total: int) -> torch.Tensor:
+    """Round the non-negative reals ``x`` to integers summing to ``total`` (Hamilton's method)."""
+    base = torch.floor(x).to(torch.int64)
+    rest = total - int(base.sum())
+    if rest > 0:
+        base[torch.argsort(x - base, descending=True, stable=True)[:rest]] += 1
+    return base
+
+
+def adakv_budgets(scores: torch.Tensor, budget: int, pos: torch.Tensor, alpha: float = 0.2,
+                  mode: str = "floor") -> torch.Tensor:
+    """Per-head budgets ``[Hkv]`` summing to ``Hkv * budget`` (``budget`` clipped to S).
+
+    ``mode="floor"`` (original AdaKV, ALGORITHMS.md §2.2): ``c_h`` = the count of head ``h`` among the
+    flattened top-``Hkv*B``; every head gets the floor ``int(alpha*B)`` and the remaining
+    ``Hkv*(B - floor)`` slots are shared in proportion to ``c_h``, rounded by largest remainder. That is
+    the original ``round((1-alpha)*c_h + int(alpha*B))`` whenever ``alpha*B`` is an integer, except that
+    the rounding keeps the sum exact (the original can miss or exceed ``Hkv*B`` by a few slots).
+
+    ``mode="safeguard"`` (kvpress ``AdaKVPress``, §2.3): each head's top ``max(1, int(alpha*B))`` rows
+    are set to +inf, then the budgets are the counts of the flattened top-``Hkv*B``.
+    """
+    hkv, s = scores.shape
+    budget = min(budget, s)
+    total = hkv * budget
+    if mode == "floor":
+        floor = int(alpha * budget)
+        counts = flat_counts(scores, total, pos).to(torch.float64)
+        share = counts * (budget - floor) / max(budget, 1)  # sums to Hkv*(B - floor)
+        return floor + largest_remainder(share, total - hkv * floor)
+    if mode == "safeguard":
+        n_safe = max(1, int(alpha * budget))
+        safe = scores.clone()
+        order = order_desc(scores, pos)
+        for h in range(hkv):
+            safe[h, order[h, :n_safe]] = math.inf
+        return flat_counts(safe, total, pos)
+    raise ValueError(f"mode must be 'floor' or 'safeguard', got {mode!r}")
+
+
+@dataclass
+class AdaKV(Scorer):
+    """Head-wise adaptive budgets for any scorer: heads with concentrated attention give slots to others.
+
+    Based on https://arxiv.org/abs/2407.11550 (Ada-KV). The layer keeps ``Hkv * budget`` rows in all,
+    split between its KV heads from the wrapped press's budget-free scores (see :func:`adakv_budgets`),
+    then each head keeps its top ``b_h`` by the press's ranking (two-stage for CriticalKV). Unlike kvpress
+    (which only masks), heads with smaller budgets really drop rows: :func:`apply_keep` clears them,
+    and the slot count becomes ``max_h b_h``. Use it outermost: ``AdaKV(CriticalKV(SnapKV()))``.
+
+    Parameters
+    ----------
+    press : Scorer
+        The scorer whose scores decide both the budgets and, per head, the kept rows.
+    alpha : float
+        Floor ratio (``mode="floor"``; original code default 0.2, "suggested with GQA"; README 0.5) or
+        safeguard ratio (``mode="safeguard"``; kvpress default 0.2).
+    mode : str
+        ``"floor"`` (original AdaKV, the default) or ``"safeguard"`` (kvpress).
+    """
+
+    press: Scorer = field(default_factory=SnapKV)
+    alpha: float = 0.2
+    mode: str = "floor"
+
+    def score(self, kv: LayerKV, obs: Observation) -> torch.Tensor:
+        return self.press.score(kv, obs)
+
+    def rerank(self, kv: LayerKV, obs: Observation, scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+        return self.press.rerank(kv, obs, scores, budgets)
+
+    def plan(self, kv: LayerKV, obs: Observation, budget: int) -> KeepPlan:
+        scores = self.press.score(kv, obs)
+        budgets = adakv_budgets(scores, budget, kv.pos, self.alpha, self.mode)
+        return select(self.press.rerank(kv, obs, scores, budgets), budgets, kv.pos)
