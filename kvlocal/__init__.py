@@ -1,0 +1,7 @@
+"""kvlocal: long-context local LLM inference inside a fixed KV-cache budget, on llama.cpp.
+
+The llama.cpp runtime is loaded on first use (``kvlocal.runtime``); ``kvlocal.runtime.runtime_info()``
+says whether it is kvlocal's patched build or a stock one.
+"""
+
+__version__ = "0.1.0"

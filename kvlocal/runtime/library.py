@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
 from dataclasses import dataclass
 
 from ..errors import UsageError
@@ -57,6 +58,9 @@ def llama_lib():
         )
     lib.llama_backend_init()
     _silence_logs(lib)
+    if not hasattr(lib._lib, "llama_kvlocal_abi_version"):
+        print(f"kvlocal: stock llama.cpp runtime (not patched): eviction only; for the patched one {BUILD_HINT}",
+              file=sys.stderr)
     return lib
 
 

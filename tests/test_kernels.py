@@ -1,0 +1,55 @@
+"""Native CPU kernels against numpy."""
+
+import numpy as np
+import pytest
+
+from kvlocal import kernels
+
+
+def np_pool(x, kernel, kind):
+    half = kernel // 2
+    out = np.empty_like(x)
+    for j in range(x.shape[-1]):
+        lo, hi = max(0, j - half), min(x.shape[-1], j + half + 1)
+        out[..., j] = x[..., lo:hi].max(-1) if kind == "max" else x[..., lo:hi].sum(-1) / kernel
+    return out
+
+
+@pytest.mark.parametrize("kind", ["max", "avg"])
+@pytest.mark.parametrize("kernel", [1, 3, 7])
+@pytest.mark.parametrize("n", [1, 5, 300])
+def test_pool1d_matches_numpy(kind, kernel, n):
+    x = np.random.default_rng(n + kernel).standard_normal((4, n)).astype(np.float32)
+    np.testing.assert_allclose(kernels.pool1d(x, kernel, kind), np_pool(x, kernel, kind), rtol=1e-6, atol=1e-6)
+
+
+def test_pool1d_avg_matches_torch_convention():
+    # zero padding counts: the end values are damped exactly like torch's avg_pool1d(count_include_pad=True)
+    x = np.ones((1, 5), np.float32)
+    np.testing.assert_allclose(kernels.pool1d(x, 3, "avg"), [[2 / 3, 1, 1, 1, 2 / 3]], rtol=1e-6)
+
+
+def test_pool1d_rejects_even_kernel():
+    with pytest.raises(ValueError):
+        kernels.pool1d(np.zeros(4), 2)
+
+
+@pytest.mark.parametrize("k", [0, 1, 17, 64])
+def test_topk_matches_numpy(k):
+    x = np.random.default_rng(k).standard_normal((6, 64)).astype(np.float32)
+    got = kernels.topk(x, k)
+    want = np.sort(np.argsort(-x, axis=-1, kind="stable")[:, :k], axis=-1)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_topk_ties_prefer_lower_index_and_nan_last():
+    x = np.array([[1.0, 2.0, 2.0, np.nan, 2.0, 0.5]], np.float32)
+    np.testing.assert_array_equal(kernels.topk(x, 2), [[1, 2]])
+    np.testing.assert_array_equal(kernels.topk(x, 5), [[0, 1, 2, 4, 5]])
+
+
+def test_topk_keeps_shape_and_checks_k():
+    x = np.random.default_rng(0).standard_normal((2, 3, 10)).astype(np.float32)
+    assert kernels.topk(x, 4).shape == (2, 3, 4)
+    with pytest.raises(ValueError):
+        kernels.topk(x, 11)
