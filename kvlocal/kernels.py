@@ -41,3 +41,71 @@ def topk(x: np.ndarray, k: int) -> np.ndarray:
     idx = np.empty((src.shape[0], k), dtype=np.int32)
     lib.kvl_topk_f32(_ptr(src, "float *"), src.shape[0], src.shape[1], k, _ptr(idx, "int *"))
     return idx.reshape(*np.shape(x)[:-1], k)
+
+
+def _i32(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.int32)
+
+
+def window_votes(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, pos: np.ndarray,
+                 bias: np.ndarray | None = None) -> np.ndarray:
+    """Mean over the window queries of their softmax over the keys, per query head: ``[Hq, n]`` float32.
+
+    q: [Hq, w, d] queries after RoPE at positions q_pos [w]; k: [Hkv, n, d] keys after RoPE at positions
+    pos ([n], or [Hkv, n] when heads differ), in any cell order; bias: optional [Hkv, n] logit bias.
+    Logits ``q·k/sqrt(d) + bias`` in float32; a query at ``p`` sees keys with ``0 <= pos <= p``; query head
+    ``h`` reads KV head ``h // (Hq/Hkv)``. The result is in cell order. Readable numpy version:
+    ``kvlocal.compress.numpy_ref.window_votes``.
+    """
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    k = np.ascontiguousarray(k, dtype=np.float32)
+    (hq, w, d), (hkv, n, dk) = q.shape, k.shape
+    if dk != d or hq % hkv != 0:
+        raise ValueError(f"q {q.shape} and k {k.shape} do not match (head dims, or Hq not a multiple of Hkv)")
+    qp = _i32(q_pos).reshape(w)
+    p = _i32(np.broadcast_to(pos, (hkv, n)))
+    b = None if bias is None else np.ascontiguousarray(np.broadcast_to(bias, (hkv, n)), dtype=np.float32)
+    out = np.empty((hq, n), dtype=np.float32)
+    rc = lib.kvl_window_votes_f32(_ptr(q, "float *"), _ptr(qp, "int *"), hq, w, _ptr(k, "float *"), _ptr(p, "int *"),
+                                  ffi.NULL if b is None else _ptr(b, "float *"), hkv, n, d, _ptr(out, "float *"))
+    if rc != 0:
+        raise MemoryError("kvl_window_votes_f32 failed (out of memory)")
+    return out
+
+
+def vnorm_l1(v: np.ndarray, wo: np.ndarray, first_head: int, n_group: int,
+             rows: np.ndarray | None = None) -> np.ndarray:
+    """``mean_h ||v[r] · W_O^h||_1`` over the query heads ``h = first_head .. first_head+n_group-1``: ``[m]`` float32.
+
+    v: [n, d] values of one KV head; wo: [D, Hq*d] the layer's output projection in HF layout
+    (``o_proj.weight``; ``W_O^h = wo[:, h*d:(h+1)*d].T``, read in place, no transposed copy); rows:
+    optional cell indices (default all n). Readable numpy version: ``kvlocal.compress.numpy_ref.vnorm_l1``.
+    """
+    v = np.ascontiguousarray(v, dtype=np.float32)
+    wo = np.ascontiguousarray(wo, dtype=np.float32)
+    (n, d), (big_d, ld) = v.shape, wo.shape
+    if not (0 <= first_head and n_group >= 1 and (first_head + n_group) * d <= ld):
+        raise ValueError(f"heads {first_head}..{first_head + n_group - 1} of d={d} do not fit in wo {wo.shape}")
+    r = None if rows is None else _i32(rows).reshape(-1)
+    if r is not None and r.size and (r.min() < 0 or r.max() >= n):
+        raise ValueError(f"row index out of range for {n} rows")
+    m = n if r is None else r.shape[0]
+    out = np.empty(m, dtype=np.float32)
+    w_ptr = ffi.cast("float *", ffi.from_buffer(wo)) + first_head * d
+    rc = lib.kvl_vnorm_l1_f32(_ptr(v, "float *"), n, d, w_ptr, ld, n_group, big_d,
+                              ffi.NULL if r is None else _ptr(r, "int *"), m, _ptr(out, "float *"))
+    if rc != 0:
+        raise MemoryError("kvl_vnorm_l1_f32 failed (out of memory)")
+    return out
+
+
+SIMD_LEVELS = ("generic", "avx2", "avx512")
+
+
+def simd_level(cap: str | None = None) -> str:
+    """The instruction set the scoring kernels use (``"generic"``, ``"avx2"``, ``"avx512"``).
+
+    The widest one the CPU supports is chosen at run time. ``cap`` limits it for the whole process
+    (tests and benchmarks compare the levels); returns the level now in use.
+    """
+    return SIMD_LEVELS[lib.kvl_simd_level(-1 if cap is None else SIMD_LEVELS.index(cap))]

@@ -13,3 +13,24 @@ void kvl_pool1d_f32(const float * src, float * dst, int n_rows, int n, int kerne
  * increasing index order (the order cells are kept in). Ties are broken towards the lower index.
  * NaN counts as smaller than every number. Returns 0, or -1 if k > n or k < 0. */
 int kvl_topk_f32(const float * src, int n_rows, int n, int k, int * idx);
+
+/* Window attention votes (SnapKV scoring). q [n_head, w, d] window queries after RoPE with positions
+ * q_pos [w]; k [n_kv, n, d] cached keys after RoPE with positions pos [n_kv, n] (any cell order) and an
+ * optional additive logit bias [n_kv, n] (NULL = 0). Query head h reads KV head h / (n_head / n_kv).
+ * Writes out [n_head, n]: for each query head, the mean over the w queries of softmax_j(q.k_j / sqrt(d)
+ * + bias_j) in float32, where a query at p sees only keys with 0 <= pos <= p; a query that sees no key
+ * contributes zeros. Returns 0, or -1 on bad sizes or when out of memory. */
+int kvl_window_votes_f32(const float * q, const int * q_pos, int n_head, int w, const float * k, const int * pos, const float * bias, int n_kv, int n, int d, float * out);
+
+/* Projected value norms (CriticalKV) of one KV head. v [n, d] values; wo the output projection in HF
+ * layout (o_proj.weight [D, Hq*d], row stride ld floats), pointing at the first column of the n_group
+ * query heads that read this KV head: W_O^h[i][c] = wo[c*ld + h*d + i] for h < n_group; rows [n_rows]
+ * the value rows to use (NULL = all, then n_rows == n). Writes out[r] = mean over h of
+ * sum_c |sum_i v[rows[r]][i] * W_O^h[i][c]|. Returns 0, or -1 on bad sizes, a row index out of range,
+ * or when out of memory. */
+int kvl_vnorm_l1_f32(const float * v, int n, int d, const float * wo, int ld, int n_group, int D, const int * rows, int n_rows, float * out);
+
+/* Instruction set of the scoring kernels above: 0 generic (SSE2 / NEON / scalar), 1 AVX2+FMA,
+ * 2 AVX-512; the widest the CPU supports is used. cap >= 0 limits it (tests and benchmarks compare the
+ * levels; process-wide, not thread-safe); cap < 0 only asks. Returns the level now in use. */
+int kvl_simd_level(int cap);

@@ -1,0 +1,69 @@
+/* Window attention votes: the mean, over a window of queries, of their softmax over the cached keys.
+ *
+ * The hot loop of SnapKV-style scoring. Keys are transposed once per KV head ([d][n], zero-padded) so
+ * that vector lanes run over keys: a block of 4 query rows x 2 vectors of keys is accumulated in
+ * registers (no horizontal sums), the 4 rows of logits are masked, exponentiated and normalised in
+ * place in a small scratch, and added to the window mean. No [Hq, w, n] array is ever built. */
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=fast")
+#endif
+
+#include "kvlocal_kernels.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+#if defined(__GNUC__) && !defined(KVL_FORCE_SCALAR) /* KVL_FORCE_SCALAR: check the MSVC path with GCC */
+#define KVL_VW     4
+#else
+#define KVL_VW     1
+#endif
+#define KVL_SFX    generic
+#define KVL_TARGET
+#include "window.inc"
+#undef KVL_VW
+#undef KVL_SFX
+#undef KVL_TARGET
+
+#if KVL_X86_DISPATCH
+#define KVL_VW     8
+#define KVL_SFX    avx2
+#define KVL_TARGET __attribute__((target("avx2,fma")))
+#include "window.inc"
+#undef KVL_VW
+#undef KVL_SFX
+#undef KVL_TARGET
+
+#define KVL_VW     16
+#define KVL_SFX    avx512
+#define KVL_TARGET __attribute__((target("avx512f,avx512vl,avx2,fma")))
+#include "window.inc"
+#undef KVL_VW
+#undef KVL_SFX
+#undef KVL_TARGET
+#endif
+
+int kvl_window_votes_f32(const float * q, const int * q_pos, int n_head, int w,
+                         const float * k, const int * pos, const float * bias, int n_kv, int n, int d,
+                         float * out) {
+    if (n_head <= 0 || n_kv <= 0 || n_head % n_kv != 0 || w < 0 || n < 0 || d <= 0) {
+        return -1;
+    }
+    if (w == 0 || n == 0) {
+        memset(out, 0, sizeof(float) * (size_t) n_head * (size_t) n);
+        return 0;
+    }
+#if KVL_X86_DISPATCH
+    switch (kvl_simd_active()) {
+        case 2: return window_votes_avx512(q, q_pos, n_head, w, k, pos, bias, n_kv, n, d, out);
+        case 1: return window_votes_avx2(q, q_pos, n_head, w, k, pos, bias, n_kv, n, d, out);
+        default: break;
+    }
+#endif
+    return window_votes_generic(q, q_pos, n_head, w, k, pos, bias, n_kv, n, d, out);
+}

@@ -1,0 +1,204 @@
+"""The scorer contract, the inputs of one layer, and per-head selection.
+
+Every eviction method is a :class:`Scorer`: a dataclass whose fields are its hyperparameters (with
+defaults) and whose methods turn the :class:`LayerInputs` of one layer into a score per (KV head, cell),
+higher = keep. Behaviours compose by wrapping, as in kvpress: ``CriticalKV(SnapKV())``. numpy in, numpy
+out; the hot loops run in ``kvlocal._kernels`` (:mod:`kvlocal.kernels`). No torch, no llama.cpp.
+
+The contract, documented once:
+
+``score(layer) -> [Hkv, n] float32``
+    Budget-free importance of every cell, higher = keep. ``+inf`` for cells the method protects
+    (attention sinks, the observation window: :meth:`LayerInputs.protected`). Budget allocation reads
+    these scores.
+``rerank(layer, scores, budgets) -> [Hkv, n] float32``
+    The ranking whose per-head top ``budgets[h]`` is the kept set, given ``scores = score(layer)`` and
+    the per-head budgets ``[Hkv]``. The default returns ``scores``; CriticalKV's two-stage selection
+    depends on the budget and lives here.
+``keep(layer, budget) -> [Hkv, B] int64``
+    The cells every KV head keeps, ``B = min(budget, n)`` of them, sorted by position (:func:`select`).
+
+Cells are in llama.cpp's cell order, which is **not** position order (after a removal new tokens fill
+the holes first); everything that depends on order (pooling, ties, the result) goes by position.
+These are the conventions of the PyTorch reference (``kvlocal.reference.compress``), whose kept sets
+``tests/test_compress.py`` checks these scorers against, exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable
+
+import numpy as np
+
+from kvlocal import kernels
+
+if TYPE_CHECKING:
+    from kvlocal.compress.plan import Plan
+
+
+@dataclass
+class LayerInputs:
+    """What a scorer reads for one layer at a compression event.
+
+    Parameters
+    ----------
+    k, v : np.ndarray
+        ``[Hkv, n, d]`` float32 keys (after RoPE) and values of the ``n`` cells, in cell order.
+    pos : np.ndarray
+        ``[n]`` int positions of the cells (all KV heads of a cell share it in llama.cpp), or
+        ``[Hkv, n]`` when the engine tracks a source position per head. Not sorted; distinct per head.
+    q : np.ndarray, optional
+        ``[Hq, w, d]`` float32 observation queries after RoPE (the last prompt tokens, or a question
+        probe); ``Hq`` a multiple of ``Hkv``, query head ``h`` reads KV head ``h // (Hq/Hkv)``.
+    q_pos : np.ndarray, optional
+        ``[w]`` int positions of the queries. A query at ``p`` sees the cells with ``pos <= p``.
+    wo : np.ndarray, optional
+        ``[D, Hq*d]`` float32 output projection of the layer, HF layout (``o_proj.weight``: query head
+        ``h`` uses columns ``h*d:(h+1)*d``). CriticalKV only.
+    layer : int
+        Layer index (for messages and for methods that depend on depth).
+    n_sink : int
+        Attention sinks: cells at positions ``< n_sink`` are protected (StreamingLLM; 4 as in kvpress).
+    window : int, optional
+        Window protection rule. ``None`` (default, the reference's rule): every cell at or after the
+        first observation query (``pos >= min(q_pos)``) is protected: with the last ``w`` prompt tokens
+        as queries, exactly those ``w`` cells; with a question probe whose tokens are not cached,
+        none. An int ``W``: the ``W`` most recent positions (of each head) are protected instead,
+        whatever the queries (e.g. the tail of a chunk scored by a probe).
+    bias : np.ndarray, optional
+        ``[Hkv, n]`` float32 additive attention-logit bias (``log(count)`` for merged slots); ``None``
+        = 0 (plain tokens, the only case so far).
+    vnorm : np.ndarray, optional
+        ``[Hkv, n]`` float32 projected value norms already known (CriticalKV; NaN = not known). They
+        depend only on a cell's value row and ``W_O``, so an engine can carry them from one event to
+        the next for the cells that stay. CriticalKV computes the missing ones it needs and writes them
+        into this array (in place); ``None``: computed every time.
+    """
+
+    k: np.ndarray
+    v: np.ndarray
+    pos: np.ndarray
+    q: np.ndarray | None = None
+    q_pos: np.ndarray | None = None
+    wo: np.ndarray | None = None
+    layer: int = 0
+    n_sink: int = 4
+    window: int | None = None
+    bias: np.ndarray | None = None
+    vnorm: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.k.ndim != 3 or self.v.shape[:2] != self.k.shape[:2]:
+            raise ValueError(f"layer {self.layer}: k {self.k.shape} and v {self.v.shape} must be [Hkv, n, d]")
+        hkv, n, d = self.k.shape
+        self.pos = np.asarray(self.pos, dtype=np.int64)
+        if self.pos.shape not in ((n,), (hkv, n)):
+            raise ValueError(f"layer {self.layer}: pos {self.pos.shape} must be [{n}] or [{hkv}, {n}]")
+        if (self.q is None) != (self.q_pos is None):
+            raise ValueError(f"layer {self.layer}: give both q and q_pos, or neither")
+        if self.q is not None:
+            self.q_pos = np.asarray(self.q_pos, dtype=np.int64).reshape(-1)
+            if self.q.ndim != 3 or self.q.shape[2] != d or self.q.shape[0] % hkv or self.q.shape[1] != len(self.q_pos):
+                raise ValueError(f"layer {self.layer}: q {self.q.shape} must be [Hq, w, {d}] with Hq a multiple of "
+                                 f"{hkv} and w = len(q_pos) = {len(self.q_pos)}")
+        if self.vnorm is not None and (self.vnorm.shape != (hkv, n) or self.vnorm.dtype != np.float32):
+            raise ValueError(f"layer {self.layer}: vnorm must be float32 [{hkv}, {n}], "
+                             f"got {self.vnorm.dtype} {self.vnorm.shape}")
+
+    @property
+    def n_kv(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def n_head(self) -> int:
+        if self.q is None:
+            raise ValueError(f"layer {self.layer}: no observation queries")
+        return self.q.shape[0]
+
+    @property
+    def pos_h(self) -> np.ndarray:
+        """Positions per KV head ``[Hkv, n]`` (a read-only broadcast of ``pos`` when it is ``[n]``)."""
+        return np.broadcast_to(self.pos, (self.n_kv, self.n))
+
+    def window_mask(self, q_pos: np.ndarray | None = None) -> np.ndarray:
+        """``[Hkv, n]`` True for the cells of the observation window (see ``window``).
+
+        ``q_pos`` are the queries actually used (a scorer may use only the last ones); default all.
+        """
+        pos = self.pos_h
+        if self.window is not None:
+            if self.window <= 0 or self.n == 0:
+                return np.zeros(pos.shape, dtype=bool)
+            recent = np.sort(pos, axis=1)[:, max(0, self.n - self.window)][:, None]
+            return pos >= recent
+        q_pos = self.q_pos if q_pos is None else q_pos
+        if q_pos is None or len(q_pos) == 0:
+            return np.zeros(pos.shape, dtype=bool)
+        return pos >= int(np.min(q_pos))
+
+    def protected(self, q_pos: np.ndarray | None = None) -> np.ndarray:
+        """``[Hkv, n]`` True for the cells no method may evict: sinks and the window (:meth:`window_mask`)."""
+        return (self.pos_h < self.n_sink) | self.window_mask(q_pos)
+
+
+def order_by_pos(pos: np.ndarray, n_kv: int, descending: bool = False) -> np.ndarray:
+    """``[n_kv, n]`` cell indices in position order per head (stable); ``pos``: [n] (sorted once) or [n_kv, n]."""
+    order = np.argsort(-pos if descending else pos, axis=-1, kind="stable")
+    return np.broadcast_to(order, (n_kv, pos.shape[-1])) if pos.ndim == 1 else order
+
+
+def top_cells(scores: np.ndarray, k: int, pos: np.ndarray) -> np.ndarray:
+    """Per head, the ``k`` best cells of ``scores`` [Hkv, n], ties to the later position: ``[Hkv, k]``.
+
+    ``pos``: [n] or [Hkv, n]. ``kernels.topk`` breaks ties towards the lower index, so the scores are
+    handed to it with the cells in *descending* position order: its lower index is then the later
+    position, the reference's tie-break (protected cells all score +inf; when a budget is below their
+    number, the most recent survive). The result is in no particular order.
+    """
+    if k == 0:  # (kernels.topk cannot take rows of length 0)
+        return np.zeros((scores.shape[0], 0), dtype=np.int64)
+    desc = order_by_pos(np.asarray(pos), scores.shape[0], descending=True)  # [Hkv, n]
+    idx = kernels.topk(np.take_along_axis(scores, desc, axis=1), k)  # [Hkv, k] into desc
+    return np.take_along_axis(desc, idx.astype(np.int64), axis=1)
+
+
+def select(scores: np.ndarray, budget: int, pos: np.ndarray) -> np.ndarray:
+    """Per-head top-``budget`` of ``scores`` [Hkv, n]: kept cell indices ``[Hkv, B]``, ``B = min(budget, n)``.
+
+    Ties go to the later position; each head's cells are returned sorted by position (``pos``: [n] or
+    [Hkv, n]), the order slots are filled in. Scores must not be NaN.
+    """
+    scores = np.asarray(scores, dtype=np.float32)
+    pos = np.asarray(pos, dtype=np.int64)
+    b = max(0, min(int(budget), scores.shape[1]))
+    cells = top_cells(scores, b, pos)
+    kept_pos = np.take_along_axis(np.broadcast_to(pos, scores.shape), cells, axis=1)
+    return np.take_along_axis(cells, np.argsort(kept_pos, axis=1, kind="stable"), axis=1)
+
+
+class Scorer:
+    """Base class of the eviction scorers; the contract is in the module docstring."""
+
+    def score(self, layer: LayerInputs) -> np.ndarray:
+        raise NotImplementedError
+
+    def rerank(self, layer: LayerInputs, scores: np.ndarray, budgets: np.ndarray) -> np.ndarray:
+        return scores
+
+    def keep(self, layer: LayerInputs, budget: int) -> np.ndarray:
+        b = min(int(budget), layer.n)
+        budgets = np.full(layer.n_kv, b, dtype=np.int64)
+        return select(self.rerank(layer, self.score(layer), budgets), b, layer.pos)
+
+
+def plan_layers(scorer: Scorer, layers: Iterable[LayerInputs], budget: int) -> "Plan":
+    """The :class:`~kvlocal.compress.plan.Plan` of one compression event: ``scorer.keep`` for every layer."""
+    from kvlocal.compress.plan import Plan
+
+    layers = list(layers)
+    return Plan.from_keep([scorer.keep(layer, budget) for layer in layers], [layer.pos_h for layer in layers])

@@ -1,0 +1,132 @@
+"""Time the scoring of one compression event, step by step, native kernels against numpy.
+
+    python -m kvlocal.compress.bench                 # SmolLM2-135M shapes: 30 layers, 9/3 heads, d 64, D 576
+    python -m kvlocal.compress.bench --n 4096 --budget 2048 --simd generic
+
+Random inputs of a real model's shapes (the timings do not depend on the values). Each step is timed
+per layer (median over layers and repeats) and for all layers (median over repeats); "numpy" replaces
+the two scoring kernels (:func:`kvlocal.kernels.window_votes`, :func:`kvlocal.kernels.vnorm_l1`) by
+their readable numpy definitions (:mod:`kvlocal.compress.numpy_ref`); pooling and top-k stay native
+in both. The two alternate layer by layer, so the ratio holds on a busy machine. numpy's BLAS may use
+several threads: set ``OPENBLAS_NUM_THREADS=1`` on a machine shared with other work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+import numpy as np
+
+from kvlocal import kernels
+from kvlocal.compress import numpy_ref
+from kvlocal.compress.base import LayerInputs, select
+from kvlocal.compress.criticalkv import CriticalKV, projected_value_norms
+from kvlocal.compress.snapkv import SnapKV
+
+
+def make_layers(n_layer: int, n: int, n_head: int, n_kv: int, d: int, big_d: int, w: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    pos = rng.permutation(n)  # cells in shuffled order, as after evictions
+    q_pos = np.arange(n - w, n)
+    wo = (rng.standard_normal((big_d, n_head * d)) * 0.05).astype(np.float32)
+    return [
+        LayerInputs(k=rng.standard_normal((n_kv, n, d), dtype=np.float32),
+                    v=rng.standard_normal((n_kv, n, d), dtype=np.float32), pos=pos,
+                    q=rng.standard_normal((n_head, w, d), dtype=np.float32), q_pos=q_pos, wo=wo, layer=il)
+        for il in range(n_layer)
+    ]
+
+
+@contextlib.contextmanager
+def numpy_kernels():
+    """Swap the two scoring kernels for their numpy definitions."""
+    saved = kernels.window_votes, kernels.vnorm_l1
+    kernels.window_votes, kernels.vnorm_l1 = numpy_ref.window_votes, numpy_ref.vnorm_l1
+    try:
+        yield
+    finally:
+        kernels.window_votes, kernels.vnorm_l1 = saved
+
+
+def timed(fn, layers, repeat: int, clock=time.perf_counter) -> dict[str, tuple[float, float]]:
+    """{"C": (median ms per layer, median ms for all layers), "numpy": (...)} of ``fn(layer)``.
+
+    The two variants alternate layer by layer, so that both see the same load on a shared machine.
+    """
+    per_layer = {"C": [], "numpy": []}
+    totals = {"C": [], "numpy": []}
+    for _ in range(repeat):
+        total = {"C": 0.0, "numpy": 0.0}
+        for layer in layers:
+            for variant in ("C", "numpy"):
+                with numpy_kernels() if variant == "numpy" else contextlib.nullcontext():
+                    t0 = clock()
+                    fn(layer)
+                    dt = clock() - t0
+                per_layer[variant].append(dt)
+                total[variant] += dt
+        for variant in total:
+            totals[variant].append(total[variant])
+    return {v: (1e3 * float(np.median(per_layer[v])), 1e3 * float(np.median(totals[v]))) for v in per_layer}
+
+
+def steps(budget: int):
+    snap, crit = SnapKV(), CriticalKV(SnapKV())
+
+    def votes(layer):
+        kernels.window_votes(layer.q[:, -snap.window_size :], layer.q_pos[-snap.window_size :], layer.k, layer.pos_h)
+
+    def vnorm_all(layer):
+        projected_value_norms(layer.v, layer.wo, layer.n_head)
+
+    def stage2_rows(layer, scores):
+        b = np.full(layer.n_kv, min(budget, layer.n))
+        return crit.rerank(layer, scores, b)
+
+    cache = {}
+
+    def score(layer):
+        cache[layer.layer] = snap.score(layer)
+
+    return [
+        ("window votes [Hq, n]", votes),
+        ("SnapKV score (votes + pool + group mean)", score),
+        ("select: top-k + sort by position", lambda layer: select(cache[layer.layer], budget, layer.pos)),
+        ("projected value norms, all cells", vnorm_all),
+        ("CriticalKV rerank (stage 1 + norms of stage-2 cells)", lambda layer: stage2_rows(layer, cache[layer.layer])),
+        ("event: SnapKV keep", lambda layer: snap.keep(layer, budget)),
+        ("event: CriticalKV(SnapKV) keep", lambda layer: crit.keep(layer, budget)),
+    ]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--n", type=int, default=1400, help="cells in the cache at the event")
+    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--heads", type=int, nargs=2, default=(9, 3), metavar=("HQ", "HKV"))
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=576)
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--simd", choices=kernels.SIMD_LEVELS, help="cap the kernels' instruction set")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this process's CPU time (steadier on a shared machine; counts every BLAS thread)")
+    args = ap.parse_args(argv)
+    if args.simd:
+        kernels.simd_level(args.simd)
+    layers = make_layers(args.layers, args.n, args.heads[0], args.heads[1], args.head_dim, args.hidden, args.window)
+    print(f"{args.layers} layers, n={args.n}, budget={args.budget}, Hq/Hkv={args.heads[0]}/{args.heads[1]}, "
+          f"d={args.head_dim}, D={args.hidden}, w={args.window}; kernels: {kernels.simd_level()}; {args.clock} clock")
+    print(f"{'step':56s} {'C ms/layer':>11s} {'numpy ms/layer':>15s} {'C all':>9s} {'numpy all':>10s} {'speed-up':>9s}")
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    for name, fn in steps(args.budget):
+        t = timed(fn, layers, args.repeat, clock)
+        (c_layer, c_all), (n_layer, n_all) = t["C"], t["numpy"]
+        print(f"{name:56s} {c_layer:11.2f} {n_layer:15.2f} {c_all:9.1f} {n_all:10.1f} {n_layer / c_layer:8.1f}x")
+
+
+if __name__ == "__main__":
+    main()

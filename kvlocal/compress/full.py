@@ -1,0 +1,23 @@
+"""Full cache: keep every cell (the baseline every method is compared with)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvlocal.compress.base import LayerInputs, Scorer, select
+
+
+@dataclass
+class Full(Scorer):
+    """Keep everything: every cell scores ``+inf`` and the budget is always ``n``.
+
+    No parameters. Useful as ``--method full`` (same engine path, no eviction) and in tests.
+    """
+
+    def score(self, layer: LayerInputs) -> np.ndarray:
+        return np.full((layer.n_kv, layer.n), np.inf, dtype=np.float32)
+
+    def keep(self, layer: LayerInputs, budget: int) -> np.ndarray:
+        return select(self.score(layer), layer.n, layer.pos)

@@ -1,0 +1,43 @@
+"""Readable numpy versions of the native scoring kernels.
+
+Each function here is the definition that the C kernel of the same name in :mod:`kvlocal.kernels`
+is tested against (``tests/test_kernels_scoring.py``) and the baseline of ``python -m
+kvlocal.compress.bench``. The scorers themselves call the C kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def window_votes(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, pos: np.ndarray,
+                 bias: np.ndarray | None = None) -> np.ndarray:
+    """Mean over the window of the softmax attention of each query head over the keys: ``[Hq, n]``.
+
+    Same contract as :func:`kvlocal.kernels.window_votes`. Materialises ``[Hq, w, n]``.
+    """
+    hq, w, d = q.shape
+    hkv, n, _ = k.shape
+    group = hq // hkv
+    pos = np.broadcast_to(pos, (hkv, n))
+    logits = np.matmul(q.reshape(hkv, group * w, d).astype(np.float32),
+                       k.astype(np.float32).transpose(0, 2, 1))  # [Hkv, G*w, n]
+    logits = logits.reshape(hkv, group, w, n) / np.float32(np.sqrt(d))
+    if bias is not None:
+        logits = logits + np.broadcast_to(bias, (hkv, n))[:, None, None, :].astype(np.float32)
+    visible = (pos[:, None, None, :] >= 0) & (pos[:, None, None, :] <= np.asarray(q_pos)[None, None, :, None])
+    logits = np.where(visible, logits, -np.inf)
+    top = logits.max(axis=-1, keepdims=True)
+    e = np.exp(logits - np.where(np.isfinite(top), top, 0))  # a query that sees nothing: all zeros
+    total = e.sum(axis=-1, keepdims=True)
+    p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    return p.mean(axis=2).reshape(hq, n).astype(np.float32)
+
+
+def vnorm_l1(v: np.ndarray, wo: np.ndarray, first_head: int, n_group: int,
+             rows: np.ndarray | None = None) -> np.ndarray:
+    """``mean_h ||v[r] · W_O^h||_1``: ``[m]``. Same contract as :func:`kvlocal.kernels.vnorm_l1`."""
+    d = v.shape[1]
+    v = v if rows is None else v[np.asarray(rows)]
+    heads = range(first_head, first_head + n_group)
+    return np.mean([np.abs(v @ wo[:, h * d : (h + 1) * d].T).sum(axis=-1) for h in heads], axis=0).astype(np.float32)

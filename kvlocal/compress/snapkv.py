@@ -1,0 +1,68 @@
+"""SnapKV: score cached cells by the attention they get from an observation window."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvlocal import kernels
+from kvlocal.compress.base import LayerInputs, Scorer, order_by_pos
+
+
+@dataclass
+class SnapKV(Scorer):
+    """Window-attention vote, pooled along positions, averaged over each GQA group.
+
+    Based on https://arxiv.org/abs/2404.14469 (SnapKV), as kvpress's ``SnapKVPress`` with the AdaKV-repo
+    / SnapKV-LongBench defaults (window 32, kernel 7, max pooling).
+
+    For every query head: softmax in fp32 (scale ``1/sqrt(d)``, causal by position) of the last
+    ``window_size`` observation queries over all cells, mean over those queries
+    (:func:`kvlocal.kernels.window_votes`); restricted to the cells outside the window, pooled along
+    the cells *in position order* (cells are stored in any order), then averaged over the ``G`` query
+    heads of each KV head. Pooling comes before the group mean, as in kvpress (the AdaKV repo reduces
+    the group first; see FasterDecoding/SnapKV#22). Sinks and window cells
+    (:meth:`LayerInputs.protected`) score ``+inf``, so protection survives CriticalKV's product
+    (kvpress uses ``max+1``). Sinks take part in pooling like any other cell, so under max pooling
+    their neighbours inherit their (usually large) attention, as in SnapKV.
+
+    Parameters
+    ----------
+    window_size : int
+        Number of observation queries used (the last ones of ``layer.q``; all if fewer are given).
+    kernel_size : int
+        Odd pooling kernel; 1 disables pooling.
+    pooling : str
+        ``"max"`` or ``"avg"`` (zero padding counted, like torch ``avg_pool1d``).
+    """
+
+    window_size: int = 32
+    kernel_size: int = 7
+    pooling: str = "max"
+
+    def __post_init__(self) -> None:
+        if self.window_size < 1:
+            raise ValueError(f"window_size must be >= 1, got {self.window_size}")
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be odd and >= 1, got {self.kernel_size}")
+        if self.pooling not in kernels.POOL_KINDS:
+            raise ValueError(f"pooling must be one of {sorted(kernels.POOL_KINDS)}, got {self.pooling!r}")
+
+    def score(self, layer: LayerInputs) -> np.ndarray:
+        if layer.q is None:
+            raise ValueError(f"layer {layer.layer}: SnapKV needs the observation queries q and q_pos")
+        q, q_pos = layer.q[:, -self.window_size :], layer.q_pos[-self.window_size :]
+        hkv, n = layer.n_kv, layer.n
+        group = q.shape[0] // hkv
+        votes = kernels.window_votes(q, q_pos, layer.k, layer.pos, layer.bias)  # [Hq, n], cell order
+        window = layer.window_mask(q_pos)
+        order = order_by_pos(layer.pos, hkv)  # [Hkv, n] cells in position order
+        scores = np.full((hkv, n), -np.inf, dtype=np.float32)
+        for g in range(hkv):
+            rows = order[g][~window[g, order[g]]]  # the prefix: cells before the window, in position order
+            if rows.size:
+                pooled = kernels.pool1d(votes[g * group : (g + 1) * group, rows], self.kernel_size, self.pooling)
+                scores[g, rows] = pooled.mean(axis=0)  # [G, m] -> [m]
+        scores[layer.protected(q_pos)] = np.inf
+        return scores

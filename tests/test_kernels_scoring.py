@@ -1,0 +1,126 @@
+"""Native scoring kernels (window votes, projected value norms) against their numpy definitions.
+
+Every instruction-set variant this CPU supports (generic, AVX2, AVX-512) is checked.
+"""
+
+import numpy as np
+import pytest
+
+from kvlocal import kernels
+from kvlocal.compress import numpy_ref
+
+_BEST = kernels.simd_level()
+LEVELS = kernels.SIMD_LEVELS[: kernels.SIMD_LEVELS.index(_BEST) + 1]
+
+
+@pytest.fixture(params=LEVELS)
+def level(request):
+    kernels.simd_level(request.param)
+    assert kernels.simd_level() == request.param
+    yield request.param
+    kernels.simd_level(_BEST)
+
+
+def window_case(seed, hkv, group, w, n, d, bias=False, per_head_pos=False, q_pos=None):
+    rng = np.random.default_rng(seed)
+    q = (rng.standard_normal((hkv * group, w, d)) * 2).astype(np.float32)
+    k = rng.standard_normal((hkv, n, d)).astype(np.float32)
+    if per_head_pos:
+        pos = np.stack([rng.permutation(np.arange(0, 2 * n, 2)) for _ in range(hkv)])
+    else:
+        pos = rng.permutation(np.arange(0, 2 * n, 2))
+    if q_pos is None:
+        q_pos = np.sort(rng.choice(np.arange(0, 2 * n + 4), w, replace=False))  # causal mask matters
+    b = rng.standard_normal((hkv, n)).astype(np.float32) if bias else None
+    return q, np.asarray(q_pos), k, pos, b
+
+
+@pytest.mark.parametrize(
+    "hkv,group,w,n,d",
+    [(3, 3, 32, 200, 64), (1, 1, 1, 1, 1), (2, 4, 5, 33, 7), (3, 1, 8, 17, 16), (1, 2, 3, 64, 3)],
+)
+def test_window_votes_matches_numpy(level, hkv, group, w, n, d):
+    q, q_pos, k, pos, _ = window_case(n + d, hkv, group, w, n, d)
+    got = kernels.window_votes(q, q_pos, k, pos)
+    want = numpy_ref.window_votes(q, q_pos, k, pos)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
+
+
+def test_window_votes_bias_per_head_positions_and_empty_cells(level):
+    q, q_pos, k, pos, b = window_case(7, 2, 3, 6, 45, 8, bias=True, per_head_pos=True)
+    pos = pos.copy()
+    pos[1, [3, 10]] = -1  # empty rows: never visible
+    got = kernels.window_votes(q, q_pos, k, pos, b)
+    want = numpy_ref.window_votes(q, q_pos, k, pos, b)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
+    assert np.all(got[3:6, [3, 10]] == 0)
+
+
+def test_window_votes_is_a_mean_of_distributions(level):
+    # every query sees some key: each head's votes sum to 1; a query that sees none adds zeros
+    q, _, k, pos, _ = window_case(3, 3, 3, 4, 50, 16)
+    votes = kernels.window_votes(q, np.full(4, 10_000), k, pos)
+    np.testing.assert_allclose(votes.sum(axis=1), 1.0, rtol=1e-5)
+    votes = kernels.window_votes(q, np.array([-5, -5, 10_000, 10_000]), k, pos)
+    np.testing.assert_allclose(votes.sum(axis=1), 0.5, rtol=1e-5)
+
+
+def test_window_votes_extreme_logits_and_shapes(level):
+    q, q_pos, k, pos, _ = window_case(11, 2, 2, 4, 40, 8, q_pos=[100, 100, 100, 100])
+    q *= 60  # logit gaps far beyond exp's range: probabilities 0 / 1 without NaN
+    got = kernels.window_votes(q, q_pos, k, pos)
+    np.testing.assert_allclose(got, numpy_ref.window_votes(q, q_pos, k, pos), rtol=2e-5, atol=1e-7)
+    assert np.isfinite(got).all()
+    assert kernels.window_votes(q[:, :0], np.zeros(0), k, pos).shape == (4, 40)
+    with pytest.raises(ValueError):
+        kernels.window_votes(q[:3], q_pos, k, pos)  # Hq not a multiple of Hkv
+
+
+@pytest.mark.parametrize(
+    "n,d,n_head,group,big_d", [(150, 64, 9, 3, 576), (5, 3, 1, 1, 7), (33, 16, 4, 2, 100), (1, 1, 1, 1, 1)]
+)
+def test_vnorm_l1_matches_numpy(level, n, d, n_head, group, big_d):
+    rng = np.random.default_rng(n * d)
+    v = rng.standard_normal((n, d)).astype(np.float32)
+    wo = (rng.standard_normal((big_d, n_head * d)) * 0.1).astype(np.float32)
+    for first in range(0, n_head, group):  # every group's slice of W_O, read in place
+        np.testing.assert_allclose(kernels.vnorm_l1(v, wo, first, group), numpy_ref.vnorm_l1(v, wo, first, group),
+                                   rtol=2e-5)
+    rows = rng.permutation(n)[: max(1, n // 3)]
+    np.testing.assert_allclose(kernels.vnorm_l1(v, wo, n_head - group, group, rows),
+                               numpy_ref.vnorm_l1(v, wo, n_head - group, group, rows), rtol=2e-5)
+
+
+def test_vnorm_l1_is_the_l1_norm_of_the_projection(level):
+    # one row, one head: ||v W_O^h||_1 written out
+    v = np.array([[1.0, -2.0]], np.float32)
+    wo = np.array([[0, 0, 1, 0], [0, 0, 0, 1], [0, 0, 3, 1]], np.float32)  # D=3, heads of d=2
+    assert kernels.vnorm_l1(v, wo, 1, 1).tolist() == [1 + 2 + 1]
+    assert kernels.vnorm_l1(v, wo, 0, 2).tolist() == [(0 + 4) / 2]
+
+
+def test_vnorm_l1_rows_edge_cases(level):
+    rng = np.random.default_rng(0)
+    v = rng.standard_normal((10, 4)).astype(np.float32)
+    wo = rng.standard_normal((6, 12)).astype(np.float32)
+    assert kernels.vnorm_l1(v, wo, 0, 3, np.zeros(0, np.int64)).shape == (0,)
+    np.testing.assert_allclose(kernels.vnorm_l1(v, wo, 1, 2, [9, 9, 0]), numpy_ref.vnorm_l1(v, wo, 1, 2, [9, 9, 0]),
+                               rtol=2e-5)
+    with pytest.raises(ValueError):
+        kernels.vnorm_l1(v, wo, 0, 1, [10])
+    with pytest.raises(ValueError):
+        kernels.vnorm_l1(v, wo, 2, 2)  # heads 2..3 of d=4 do not fit in 12 columns
+
+
+def test_levels_agree_closely():
+    # the variants differ only in summation order and FMA contraction
+    q, q_pos, k, pos, _ = window_case(5, 3, 3, 32, 300, 64)
+    out = {}
+    try:
+        for lv in LEVELS:
+            kernels.simd_level(lv)
+            out[lv] = kernels.window_votes(q, q_pos, k, pos)
+    finally:
+        kernels.simd_level(_BEST)
+    for lv in LEVELS:
+        np.testing.assert_allclose(out[lv], out[LEVELS[0]], rtol=2e-5, atol=1e-7)
