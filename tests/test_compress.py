@@ -26,6 +26,8 @@ from kvlocal.compress import (
     projected_value_norms,
     select,
 )
+from kvlocal import kernels
+from kvlocal.compress.base import native_scoring
 from kvlocal.errors import UsageError
 from kvlocal.reference import compress as ref
 from kvlocal.reference.cache import LayerKV
@@ -126,6 +128,20 @@ def test_kept_sets_equal_reference_merged_slots():
     for name, mine, theirs in pairs()[1:3]:
         for budget in (14, 30, 59):
             assert_same_keep(mine.keep(layer, budget), layer, theirs.plan(kv, obs, budget), f"{name} b={budget}")
+
+
+def test_kept_sets_equal_reference_numpy_path():
+    # without AVX2 the scorers use the numpy definitions of the two kernels: same kept sets
+    best = kernels.simd_level()
+    kernels.simd_level("generic")
+    try:
+        assert not native_scoring()
+        layer, kv, obs = make_case(seed=10, n=60)
+        for name, mine, theirs in pairs()[1:3]:
+            for budget in (14, 30):
+                assert_same_keep(mine.keep(layer, budget), layer, theirs.plan(kv, obs, budget), f"{name} b={budget}")
+    finally:
+        kernels.simd_level(best)
 
 
 def test_criticalkv_reuses_and_fills_known_norms():

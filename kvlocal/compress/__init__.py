@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvlocal.compress.base import LayerInputs, Scorer, plan_layers, select, top_cells
+from kvlocal.compress.base import LayerInputs, Scorer, native_scoring, plan_layers, select, top_cells
 from kvlocal.compress.criticalkv import CriticalKV, projected_value_norms
 from kvlocal.compress.full import Full
 from kvlocal.compress.plan import Plan
@@ -84,6 +84,7 @@ __all__ = [
     "StreamingLLM",
     "make_scorer",
     "method_params",
+    "native_scoring",
     "plan_layers",
     "projected_value_norms",
     "select",

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 
 from kvlocal import kernels
+from kvlocal.compress import numpy_ref
 
 if TYPE_CHECKING:
     from kvlocal.compress.plan import Plan
@@ -144,6 +145,26 @@ class LayerInputs:
     def protected(self, q_pos: np.ndarray | None = None) -> np.ndarray:
         """``[Hkv, n]`` True for the cells no method may evict: sinks and the window (:meth:`window_mask`)."""
         return (self.pos_h < self.n_sink) | self.window_mask(q_pos)
+
+
+def native_scoring() -> bool:
+    """Whether the scorers run the C scoring kernels (True) or their numpy definitions (False).
+
+    The kernels are used where they have wide vectors (AVX2+FMA or AVX-512, chosen at run time). The
+    generic build (SSE2 on x86-64, NEON on arm64) loses to numpy, whose BLAS has them: measured on
+    x86-64 with ``python -m kvlocal.compress.bench --simd generic``, 0.7-0.9x per step.
+    """
+    return kernels.simd_level() != "generic"
+
+
+def window_votes(q, q_pos, k, pos, bias=None) -> np.ndarray:
+    """:func:`kvlocal.kernels.window_votes`, or its numpy definition where that is faster (:func:`native_scoring`)."""
+    return (kernels.window_votes if native_scoring() else numpy_ref.window_votes)(q, q_pos, k, pos, bias)
+
+
+def vnorm_l1(v, wo, first_head, n_group, rows=None) -> np.ndarray:
+    """:func:`kvlocal.kernels.vnorm_l1`, or its numpy definition where that is faster (:func:`native_scoring`)."""
+    return (kernels.vnorm_l1 if native_scoring() else numpy_ref.vnorm_l1)(v, wo, first_head, n_group, rows)
 
 
 def order_by_pos(pos: np.ndarray, n_kv: int, descending: bool = False) -> np.ndarray:

@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlocal import kernels
-from kvlocal.compress.base import LayerInputs, Scorer, top_cells
+from kvlocal.compress.base import LayerInputs, Scorer, top_cells, vnorm_l1
 from kvlocal.compress.snapkv import SnapKV
 
 
@@ -23,7 +22,7 @@ def projected_value_norms(v: np.ndarray, wo: np.ndarray, n_head: int,
     hkv = v.shape[0]
     group = n_head // hkv
     wo = np.ascontiguousarray(wo, dtype=np.float32)
-    return [kernels.vnorm_l1(v[g], wo, g * group, group, None if rows is None else rows[g]) for g in range(hkv)]
+    return [vnorm_l1(v[g], wo, g * group, group, None if rows is None else rows[g]) for g in range(hkv)]
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 Each function here is the definition that the C kernel of the same name in :mod:`kvlocal.kernels`
 is tested against (``tests/test_kernels_scoring.py``) and the baseline of ``python -m
-kvlocal.compress.bench``. The scorers themselves call the C kernels.
+kvlocal.compress.bench``. The scorers call the C kernels where those have wide vectors (AVX2,
+AVX-512) and these functions elsewhere, where numpy's BLAS is faster
+(:func:`kvlocal.compress.base.native_scoring`).
 """
 
 from __future__ import annotations

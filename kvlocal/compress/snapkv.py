@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvlocal import kernels
-from kvlocal.compress.base import LayerInputs, Scorer, order_by_pos
+from kvlocal.compress.base import LayerInputs, Scorer, order_by_pos, window_votes
 
 
 @dataclass
@@ -55,7 +55,7 @@ class SnapKV(Scorer):
         q, q_pos = layer.q[:, -self.window_size :], layer.q_pos[-self.window_size :]
         hkv, n = layer.n_kv, layer.n
         group = q.shape[0] // hkv
-        votes = kernels.window_votes(q, q_pos, layer.k, layer.pos, layer.bias)  # [Hq, n], cell order
+        votes = window_votes(q, q_pos, layer.k, layer.pos, layer.bias)  # [Hq, n], cell order
         window = layer.window_mask(q_pos)
         order = order_by_pos(layer.pos, hkv)  # [Hkv, n] cells in position order
         scores = np.full((hkv, n), -np.inf, dtype=np.float32)
