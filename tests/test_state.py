@@ -31,11 +31,22 @@ GGML_TYPE_Q8_0 = 8
 N = 100  # prompt tokens in most tests
 
 
+# Public-domain prose (Dickens, A Tale of Two Cities; Melville, Moby-Dick): more than N + 10 tokens.
+TEXT = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+    "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, "
+    "it was the season of Darkness, it was the spring of hope, it was the winter of despair, we had "
+    "everything before us, we had nothing before us, we were all going direct to Heaven, we were all going "
+    "direct the other way. Call me Ishmael. Some years ago, never mind how long precisely, having little or "
+    "no money in my purse, and nothing particular to interest me on shore, I thought I would sail about a "
+    "little and see the watery part of the world. It is a way I have of driving off the spleen and "
+    "regulating the circulation."
+)
+
+
 @pytest.fixture(scope="module")
 def tokens(smollm2_model):
-    from kvlocal.verify import sample_text
-
-    toks = smollm2_model.tokenize(sample_text())
+    toks = smollm2_model.tokenize(TEXT)
     assert len(toks) > N + 10
     return toks[: N + 10]
 
