@@ -108,7 +108,7 @@ def _softmax_check(model: Model, layers, n_first=30, n_second=20, n_last=6):
             p = np.exp(s - s.max(axis=1, keepdims=True))
             p /= p.sum(axis=1, keepdims=True)
             worst = max(worst, float(np.abs(p - probs[h]).max()))
-            # the same check with the rows one token off must fail: the check can tell rows apart
+            # the same check with the rows in reverse order must fail: the check tells tokens apart
             s_off = q[h][::-1] @ keys[:, h // group, :].T / np.sqrt(d) + mask
             p_off = np.exp(s_off - s_off.max(axis=1, keepdims=True))
             p_off /= p_off.sum(axis=1, keepdims=True)
