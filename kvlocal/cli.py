@@ -50,7 +50,7 @@ def cmd_doctor(args) -> int:
         from . import kernels
 
         kernels.topk([1.0, 3.0, 2.0], 1)
-        rows.append(("kernels", f"ok ({kernels.__name__}: pool1d, topk)"))
+        rows.append(("kernels", f"ok ({kernels.simd_level()}: pool1d, topk, window_votes, vnorm_l1)"))
     except ImportError as e:
         rows.append(("kernels", f"NOT BUILT: {e}"))
         problems += 1
@@ -86,7 +86,8 @@ def _budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", default="0.1",
                    help="KV budget: a ratio in (0, 1] of the tokens seen (default 0.1) or a cell count like 2048")
     p.add_argument("--method", default="criticalkv", help="full, streaming, snapkv or criticalkv (default)")
-    p.add_argument("--chunk", type=int, default=256, help="prefill chunk in tokens (default 256)")
+    p.add_argument("--chunk", type=int, default=128,
+                   help="least prefill chunk in tokens: n_ctx = budget + chunk + window, padded by llama.cpp (default 128)")
     p.add_argument("--window", type=int, default=32, help="recent tokens always kept; probe length (default 32)")
 
 

@@ -91,7 +91,8 @@ class EngineStats:
     kv_cells_live: int = 0
     kv_cells_live_peak: int = 0
     compression_events: int = 0
-    compression_seconds: float = 0.0
+    compression_seconds: float = 0.0  # part of prefill/decode seconds: scoring, KV read/write, and the probe's decode
+    compression_breakdown: dict = field(default_factory=dict)  # seconds by step: observe, read, score, apply
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -121,10 +122,9 @@ def output_projections(path: str) -> tuple[np.ndarray, ...]:
 class EngineConfig:
     budget: Budget = field(default_factory=lambda: Budget(ratio=0.1))
     method: str = "criticalkv"
-    chunk: int = 256  # prefill chunk; sets the headroom above the budget (n_ctx)
+    chunk: int = 128  # least prefill chunk: n_ctx = budget + chunk + window (then padded by llama.cpp)
     window: int = 32  # most recent tokens always kept; also the probe length cap
     n_sink: int = 4  # first tokens always kept (attention sinks)
-    slack: int = 64  # decode appends this many cells past the budget before compressing again
     max_tokens: int | None = None  # tokens a session may see in all (hard cap; sizes a ratio budget)
 
 
@@ -143,10 +143,9 @@ class Engine:
         method: str = "criticalkv",
         *,
         max_tokens: int,
-        chunk: int = 256,
+        chunk: int = 128,
         window: int = 32,
         n_sink: int = 4,
-        slack: int = 64,
         n_gpu_layers: int = 0,
         flash_attn: bool = False,
         n_threads: int | None = None,
@@ -154,7 +153,7 @@ class Engine:
     ):
         self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
         budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
-        self.cfg = EngineConfig(budget, method, chunk, window, n_sink, slack, max_tokens)
+        self.cfg = EngineConfig(budget, method, chunk, window, n_sink, max_tokens)
         if type_k not in (None, 1) and method != "full":  # 1 = GGML_TYPE_F16
             raise UsageError("compression with a quantized KV cache is not supported yet (K is stored Hadamard-rotated): use the default F16 cache or --method full")
         self.scorer = make_scorer(method)
@@ -162,9 +161,12 @@ class Engine:
         self.head_dim = m.n_embd // m.n_head
         floor = n_sink + window
         self.budget_cells = max_tokens if method == "full" else budget.cells_for(max_tokens, floor)
-        headroom = 0 if method == "full" else max(chunk, slack) + window
+        # llama.cpp pads n_ctx (to 256 cells here); prefill chunks then fill whatever is free, so the
+        # effective chunk is n_ctx - budget - probe >= chunk
+        headroom = 0 if method == "full" else chunk + window
         self.capture = QueryCapture(m.n_layer, m.n_head, self.head_dim)
-        self.ctx = Context(m, n_ctx=self.budget_cells + headroom, n_batch=chunk, flash_attn=flash_attn,
+        n_ctx = self.budget_cells + headroom
+        self.ctx = Context(m, n_ctx=n_ctx, n_batch=min(n_ctx, 2048), flash_attn=flash_attn,
                            n_threads=n_threads, type_k=type_k, cb_eval=self.capture.callback)
         self.stats = EngineStats(n_ctx=self.ctx.n_ctx, budget_cells=self.budget_cells,
                                  kv_bytes_allocated=kv_cache_bytes(m, self.ctx.n_ctx))
@@ -175,27 +177,31 @@ class Engine:
         # cell position (unique) -> [n_layer, Hkv] positions; cells added since hold one token each
         self._slot_pos = np.zeros(0, dtype=np.int64)
         self._slot_true = np.zeros((m.n_layer, m.n_head_kv, 0), dtype=np.int64)
+        self._slot_vnorm = np.zeros((m.n_layer, m.n_head_kv, 0), dtype=np.float32)
         self.last_plan: Plan | None = None  # the latest compression event's plan
         self.prompt_plan: Plan | None = None  # the plan in effect when the prompt ended (--dump-plan)
         self._wo = output_projections(str(m.path)) if method == "criticalkv" else None
 
     # -- public API ---------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int], probe: Sequence[int] | None = None) -> np.ndarray:
-        """Decode a prompt in chunks, compressing after each one. ``probe``: tokens whose queries score
-        the cache (the question); None uses the generic query-agnostic probe. Returns the last logits."""
+        """Decode a prompt in chunks that fill the free cells, compressing back to the budget whenever the
+        context is full and once more at the end. ``probe``: tokens whose queries score the cache (the
+        question); None uses the generic query-agnostic probe. Returns the last logits."""
         t0 = time.perf_counter()
         self._check_cap(len(tokens))
-        probe = list(probe) if probe else self.model.tokenize(AGNOSTIC_PROBE, add_special=False)
-        probe = probe[-self.cfg.window:]
-        for c0 in range(0, len(tokens), self.cfg.chunk):
-            chunk = tokens[c0:c0 + self.cfg.chunk]
-            if self.live_cells() + len(chunk) > self.ctx.n_ctx:
-                self._compress(probe, target=self.ctx.n_ctx - len(chunk) - len(probe))
-            self.logits = self.ctx.decode(chunk, range(self.n_past, self.n_past + len(chunk)), "last")
-            self.n_past += len(chunk)
-            self._note_live()
-            if self.live_cells() > self.budget_cells:
-                self._compress(probe)
+        probe = self._probe_tokens(probe)
+        observed = None  # the probe's queries over the cache as it is now
+        i = 0
+        while i < len(tokens):
+            room = self.ctx.n_ctx - self.live_cells() - self._reserve(probe)
+            if room < 1:
+                self._compress(probe, observed)
+                continue
+            chunk = list(tokens[i:i + room])
+            observed = self._decode_chunk(chunk, probe)
+            i += len(chunk)
+        if self.live_cells() > self.budget_cells:
+            self._compress(probe, observed)
         self.stats.prompt_tokens += len(tokens)
         if self.prompt_plan is None:
             self.prompt_plan = self.last_plan
@@ -208,14 +214,18 @@ class Engine:
         return self.prefill(tokens, probe)
 
     def generate(self, max_new: int, sampler: Sampler | None = None, stop_at_eog: bool = True) -> Iterator[int]:
-        """Yield up to max_new tokens; the end-of-generation token is kept in the cache, not yielded."""
+        """Yield up to max_new tokens; the end-of-generation token is kept in the cache, not yielded.
+
+        New tokens fill the cells the prefill chunks used (``slack`` = n_ctx - budget - probe cells);
+        when those are full the cache is compressed back to the budget, scored by the last probe."""
         sampler = sampler or Sampler()
+        probe = getattr(self, "_probe", None) or self._probe_tokens(None)
         for _ in range(max_new):
             tok = sampler(self.logits)
             t0 = time.perf_counter()
             self._check_cap(1)
-            if self.live_cells() + 1 > self.budget_cells + self.cfg.slack and self.cfg.method != "full":
-                self._compress(getattr(self, "_probe", None) or self.model.tokenize(AGNOSTIC_PROBE, add_special=False))
+            if self.live_cells() + 1 > self.ctx.n_ctx - self._reserve(probe):
+                self._compress(probe)
             self.logits = self.ctx.decode([tok], [self.n_past], "last")
             self.n_past += 1
             self.last_token = tok
@@ -226,8 +236,21 @@ class Engine:
             self.stats.generated_tokens += 1
             yield tok
 
+    @property
+    def slack(self) -> int:
+        """Cells past the budget that chunks and decoding may fill before the next compression."""
+        return self.ctx.n_ctx - self.budget_cells - self.cfg.window
+
     def live_cells(self) -> int:
         return self.stats.kv_cells_live
+
+    def _probe_tokens(self, probe: Sequence[int] | None) -> list[int]:
+        probe = list(probe) if probe else self.model.tokenize(AGNOSTIC_PROBE, add_special=False)
+        return probe[-self.cfg.window:]
+
+    def _reserve(self, probe: Sequence[int]) -> int:
+        """Cells to keep free for the probe's decode (none when nothing is ever compressed)."""
+        return 0 if self.cfg.method == "full" else len(probe)
 
     # -- internals ------------------------------------------------------------------------------------
     def _check_cap(self, n: int) -> None:
@@ -243,6 +266,33 @@ class Engine:
         # llama.cpp allocates a full cache for every token the session may see, up front
         self.stats.kv_bytes_full = kv_cache_bytes(self.model, self.cfg.max_tokens)
 
+    def _decode_chunk(self, chunk: list[int], probe: list[int]):
+        """Decode a prompt chunk; when compression may follow, decode the probe in the same batch (one
+        graph, better matmul shapes than a separate small batch), capture its queries, and remove it.
+        Returns the observation (queries, positions) or None."""
+        p0 = self.n_past
+        with_probe = self.cfg.method != "full" and self.live_cells() + len(chunk) > self.budget_cells
+        if not with_probe:
+            self.logits = self.ctx.decode(chunk, range(p0, p0 + len(chunk)), "last")
+            self.n_past += len(chunk)
+            self._note_live()
+            return None
+        t0 = time.perf_counter()
+        seq = chunk + probe
+        self.capture.arm(len(probe))
+        try:
+            self.logits = self.ctx.decode(seq, range(p0, p0 + len(seq)), len(chunk) - 1)
+        finally:
+            self.capture.disarm()
+        self.n_past += len(chunk)
+        self.ctx.remove(self.n_past, -1)
+        self._note_live()
+        # the probe's share of this decode counts as compression time (estimated by token share)
+        dt = (time.perf_counter() - t0) * len(probe) / len(seq)
+        self.stats.compression_seconds += dt
+        self.stats.compression_breakdown["observe"] = self.stats.compression_breakdown.get("observe", 0.0) + dt
+        return self.capture.take(), np.arange(self.n_past, self.n_past + len(probe))
+
     def _observe(self, probe: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray]:
         """Decode the probe after the cache with query capture, then remove it. Returns per-layer
         post-RoPE queries [Hq, w, d] and their positions [w]."""
@@ -256,23 +306,36 @@ class Engine:
         self.ctx.remove(p0, -1)
         return self.capture.take(), q_pos
 
+    def _carry(self, cell_pos: np.ndarray, slot_values: np.ndarray, fresh: np.ndarray) -> np.ndarray:
+        """Per-row values [n_layer, Hkv, n] of the cells read now: the value of the slot a cell was
+        written to by the last compression (matched by its unique cell position), else ``fresh``."""
+        out = np.array(fresh, copy=True)
+        if len(self._slot_pos):
+            j = np.minimum(np.searchsorted(self._slot_pos, cell_pos), len(self._slot_pos) - 1)
+            hit = self._slot_pos[j] == cell_pos
+            out[:, :, hit] = slot_values[:, :, j[hit]]
+        return out
+
     def _true_positions(self, cell_pos: np.ndarray) -> np.ndarray:
         """[n_layer, Hkv, n] true source position of every row, from each cell's position."""
         m = self.model
-        true = np.broadcast_to(cell_pos.astype(np.int64), (m.n_layer, m.n_head_kv, len(cell_pos))).copy()
-        if len(self._slot_pos):
-            j = np.searchsorted(self._slot_pos, cell_pos)
-            j = np.minimum(j, len(self._slot_pos) - 1)
-            hit = self._slot_pos[j] == cell_pos
-            true[:, :, hit] = self._slot_true[:, :, j[hit]]
-        return true
+        fresh = np.broadcast_to(cell_pos.astype(np.int64), (m.n_layer, m.n_head_kv, len(cell_pos)))
+        return self._carry(cell_pos, self._slot_true, fresh)
 
-    def _compress(self, probe: Sequence[int], target: int | None = None) -> None:
-        t0 = time.perf_counter()
-        budget = min(self.budget_cells, target) if target is not None else self.budget_cells
-        q, q_pos = self._observe(probe)
+    def _compress(self, probe: Sequence[int], observed=None) -> None:
+        """One compression event back to the budget; ``observed``: the probe's queries if the last decode
+        already captured them over the current cache, else the probe is decoded now."""
+        clock = time.perf_counter
+        t0 = clock()
+        budget = self.budget_cells
+        q, q_pos = observed if observed is not None else self._observe(probe)
+        t1 = clock()
         kv = read_seq(self.ctx)
         true = self._true_positions(kv.pos)
+        # projected value norms depend only on a row and W_O: carry them over for rows that stay
+        m = self.model
+        vnorm = self._carry(kv.pos, self._slot_vnorm, np.full((m.n_layer, m.n_head_kv, kv.n), np.nan, np.float32))
+        t2 = clock()
         keep = []
         for il in range(self.model.n_layer):
             inputs = LayerInputs(
@@ -285,13 +348,19 @@ class Engine:
                 layer=il,
                 n_sink=self.cfg.n_sink,
                 window=self.cfg.window,  # the probe is not cached: protect the most recent rows instead
+                vnorm=vnorm[il],  # CriticalKV fills in the ones it computes
             )
             keep.append(self.scorer.keep(inputs, budget))  # [Hkv, budget] cell indices, position order
         plan = Plan.from_keep(keep, true)
         self.last_plan = plan
+        t3 = clock()
         self._apply(kv, plan)
+        self._slot_vnorm = np.take_along_axis(vnorm, plan.keep, axis=2)
+        t4 = clock()
         self.stats.compression_events += 1
-        self.stats.compression_seconds += time.perf_counter() - t0
+        self.stats.compression_seconds += t4 - t0
+        for name, dt in (("observe", t1 - t0), ("read", t2 - t1), ("score", t3 - t2), ("apply", t4 - t3)):
+            self.stats.compression_breakdown[name] = self.stats.compression_breakdown.get(name, 0.0) + dt
 
     def _apply(self, kv: SeqKV, plan: Plan) -> None:
         slot_pos = plan.slot_positions()

@@ -170,11 +170,12 @@ class Context:
 
     __del__ = close
 
-    def decode(self, tokens: Sequence[int], positions: Sequence[int] | None = None, logits: str = "last") -> np.ndarray:
+    def decode(self, tokens: Sequence[int], positions: Sequence[int] | None = None, logits: str | int = "last") -> np.ndarray:
         """Decode tokens into sequence 0 at the given positions (default: after the last one held).
 
-        logits: "last" returns [n_vocab] for the last token, "all" returns [T, n_vocab], "none" returns
-        an empty array. Long inputs are split into batches of n_batch.
+        logits: "last" returns [n_vocab] for the last token, an int i returns [n_vocab] for token i,
+        "all" returns [T, n_vocab], "none" returns an empty array. Long inputs are split into batches
+        of n_batch.
         """
         lib = llama_lib()
         if positions is None:
@@ -182,6 +183,7 @@ class Context:
             positions = range(start, start + len(tokens))
         if len(positions) != len(tokens):
             raise ValueError("tokens and positions differ in length")
+        want = len(tokens) - 1 if logits == "last" else logits
         out = []
         for b0 in range(0, len(tokens), self.n_batch):
             b1 = min(b0 + self.n_batch, len(tokens))
@@ -192,18 +194,20 @@ class Context:
                 batch.pos[j] = positions[i]
                 batch.n_seq_id[j] = 1
                 batch.seq_id[j][0] = 0
-                batch.logits[j] = logits == "all" or (logits == "last" and i == len(tokens) - 1)
+                batch.logits[j] = logits == "all" or i == want
             rc = lib.llama_decode(self._ptr, batch)
             if rc != 0:
                 raise RuntimeError(f"llama_decode failed ({rc}): the context of {self.n_ctx} cells may be full")
             if logits == "all":
                 ptr = lib.llama_get_logits(self._ptr)
                 out.append(np.ctypeslib.as_array(ptr, shape=(b1 - b0, self.model.n_vocab)).copy())
+            elif isinstance(want, int) and b0 <= want < b1:
+                ptr = lib.llama_get_logits_ith(self._ptr, want - b0)
+                out.append(np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy())
         if logits == "all":
             return np.concatenate(out)
-        if logits == "last":
-            ptr = lib.llama_get_logits_ith(self._ptr, -1)
-            return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy()
+        if out:
+            return out[0]
         return np.empty(0, dtype=np.float32)
 
     # -- memory ---------------------------------------------------------------------------------
