@@ -160,7 +160,8 @@ class Engine:
         m = self.model
         self.head_dim = m.n_embd // m.n_head
         floor = n_sink + window
-        self.budget_cells = max_tokens if method == "full" else budget.cells_for(max_tokens, floor)
+        # a budget above what the session may see is just the full cache
+        self.budget_cells = max_tokens if method == "full" else min(budget.cells_for(max_tokens, floor), max_tokens)
         # llama.cpp pads n_ctx (to 256 cells here); prefill chunks then fill whatever is free, so the
         # effective chunk is n_ctx - budget - probe >= chunk
         headroom = 0 if method == "full" else chunk + window
@@ -249,8 +250,9 @@ class Engine:
         return probe[-self.cfg.window:]
 
     def _reserve(self, probe: Sequence[int]) -> int:
-        """Cells to keep free for the probe's decode (none when nothing is ever compressed)."""
-        return 0 if self.cfg.method == "full" else len(probe)
+        """Cells to keep free for a probe's decode: the probe cap (``window``), whatever this probe's
+        length, so that a later, longer probe (the next chat turn) always fits; none for ``full``."""
+        return 0 if self.cfg.method == "full" else self.cfg.window
 
     # -- internals ------------------------------------------------------------------------------------
     def _check_cap(self, n: int) -> None:
@@ -264,7 +266,7 @@ class Engine:
         self.stats.kv_cells_live = int(llama_live(self.ctx))
         self.stats.kv_cells_live_peak = max(self.stats.kv_cells_live_peak, self.stats.kv_cells_live)
         # llama.cpp allocates a full cache for every token the session may see, up front
-        self.stats.kv_bytes_full = kv_cache_bytes(self.model, self.cfg.max_tokens)
+        self.stats.kv_bytes_full = kv_cache_bytes(self.model, pad_cells(self.cfg.max_tokens))
 
     def _decode_chunk(self, chunk: list[int], probe: list[int]):
         """Decode a prompt chunk; when compression may follow, decode the probe in the same batch (one
@@ -373,6 +375,11 @@ class Engine:
         self._slot_pos = slot_pos.astype(np.int64)
         self._slot_true = plan.positions  # [n_layer, Hkv, B]
         self._note_live()
+
+
+def pad_cells(n: int) -> int:
+    """The n_ctx llama.cpp really allocates for n cells: rounded up to a multiple of 256."""
+    return -(-n // 256) * 256
 
 
 def llama_live(ctx: Context) -> int:
