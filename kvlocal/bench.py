@@ -72,6 +72,8 @@ def run(args) -> int:
     print(f"{'prefill seconds (' + str(len(short)) + ' tok)':34}{'':14}{s['prefill_seconds']:16.2f}")
     print(f"{'compression seconds (' + str(s['compression_events']) + ' events)':34}{'':14}{s['compression_seconds']:16.2f}"
           f"{100 * result['compression_over_prefill']:8.1f}%   <= 5%")
+    steps = ", ".join(f"{k} {v:.2f} s" for k, v in s["compression_breakdown"].items())
+    print(f"{'  by step':34}{'':14}  {steps}")
     return 0
 
 
