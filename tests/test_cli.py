@@ -47,7 +47,7 @@ def test_chat_on_a_plain_path(smollm2):
 
 def test_chat_overflow_is_reported_not_truncated(smollm2):
     r = run_cli("chat", "-c", "32", input="Tell me a long story about a dragon who lives in a castle by the sea.\n")
-    assert_usage_error(r, "context is full", "-c/--ctx-size")
+    assert_usage_error(r, "exceed the cap of 32", "-c/--ctx-size")
 
 
 def test_missing_path():
