@@ -7,7 +7,6 @@ cache that attention reads. Recomputing the softmax from the captured q and that
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +14,6 @@ import pytest
 from kvlocal.runtime import Context, Model
 from kvlocal.runtime.capture import GgmlTensorHead, QueryCapture, ggml
 
-QWEN2 = Path("/work/dl/models/qwen2.5-coder-0.5b.gguf")
 
 TEXT = (
     "The lighthouse keeper counted the ships every evening. On Tuesday there were seven, on Wednesday "
@@ -225,9 +223,9 @@ def test_queries_reproduce_kq_soft_max_llama(smollm2_model):
 
 @pytest.fixture(scope="module")
 def qwen2_model():
-    if not QWEN2.exists():
-        pytest.skip(f"{QWEN2} not present")
-    return Model(QWEN2)
+    from kvlocal.models import pull
+
+    return Model(pull("qwen2.5-coder-0.5b", quiet=True))
 
 
 @pytest.mark.slow

@@ -1,9 +1,8 @@
 """Fixtures of the reference tests: tiny generated GGUF models (both architectures × five weight types)
 and SmolLM2-135M Q4_1, each loaded once per session.
 
-The tests run llama.cpp for real (no mocks). SmolLM2 tests skip only when the model file is absent:
-its path is $KVLOCAL_TEST_SMOLLM2, else kvlocal's model cache (``kvlocal.models.cached_path``), else
-/work/dl/models/smollm2-135m.gguf.
+The tests run llama.cpp for real (no mocks). SmolLM2 is $KVLOCAL_TEST_SMOLLM2 if set, else the copy in
+kvlocal's model cache, pulled on first use (``kvlocal.models.pull``).
 """
 
 from __future__ import annotations
@@ -32,15 +31,9 @@ GGML_TYPE_F32 = 0
 def smollm2_path() -> Path | None:
     env = os.environ.get("KVLOCAL_TEST_SMOLLM2")
     candidates = [Path(env)] if env else []
-    try:
-        from kvlocal.models import cached_path  # the model cache, once it exists
+    from kvlocal.models import pull  # the user's model cache; downloaded on first use
 
-        cached = cached_path("smollm2-135m")  # None when not downloaded
-        if cached:
-            candidates.append(Path(cached))
-    except ImportError:
-        pass
-    candidates.append(Path("/work/dl/models/smollm2-135m.gguf"))
+    candidates.append(pull("smollm2-135m", quiet=True))
     return next((p for p in candidates if p.is_file()), None)
 
 
