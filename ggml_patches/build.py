@@ -96,7 +96,11 @@ def apply_patches(tree: Path) -> None:
     (llama / ".git").unlink(missing_ok=True)  # a submodule pointer that git apply would trip over
     for p in patches():
         step(f"applying {p.name}")
-        r = subprocess.run(["patch", "-p1", "--forward", "--batch", "-i", str(p)], cwd=llama, capture_output=True, text=True)
+        if shutil.which("patch"):
+            cmd, cwd = ["patch", "-p1", "--forward", "--batch", "-i", str(p)], llama
+        else:  # the source package carries a .git of its own: apply from its root
+            cmd, cwd = ["git", "apply", "-p1", "--directory=vendor/llama.cpp", str(p)], tree
+        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
         if r.returncode != 0:
             fail(f"{p.name} does not apply to the vendored llama.cpp:\n{r.stdout}{r.stderr}")
 
