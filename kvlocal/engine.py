@@ -33,6 +33,7 @@ import numpy as np
 
 from .compress import LayerInputs, Plan, make_scorer
 from .errors import UsageError
+from .gguf_file import dequantize_tensor, read_gguf
 from .runtime import Context, Model
 from .runtime.capture import QueryCapture
 from .runtime.llama import kv_cache_bytes
@@ -103,17 +104,11 @@ class EngineStats:
 @functools.lru_cache(maxsize=4)
 def output_projections(path: str) -> tuple[np.ndarray, ...]:
     """W_O of every layer as float32 [D, Hq*d] (HF layout), dequantized once per model file."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    reader = GGUFReader(path)
-    by_name = {t.name: t for t in reader.tensors}
+    by_name = {t.name: t for t in read_gguf(path).tensors}
     out = []
     il = 0
     while f"blk.{il}.attn_output.weight" in by_name:
-        t = by_name[f"blk.{il}.attn_output.weight"]
-        w = dequantize(t.data, t.tensor_type).reshape(int(t.shape[1]), int(t.shape[0]))
-        out.append(np.ascontiguousarray(w, dtype=np.float32))
+        out.append(dequantize_tensor(by_name[f"blk.{il}.attn_output.weight"], path))
         il += 1
     return tuple(out)
 
@@ -170,7 +165,9 @@ class Engine:
         self.ctx = Context(m, n_ctx=n_ctx, n_batch=min(n_ctx, 2048), flash_attn=flash_attn,
                            n_threads=n_threads, type_k=type_k, cb_eval=self.capture.callback)
         self.stats = EngineStats(n_ctx=self.ctx.n_ctx, budget_cells=self.budget_cells,
-                                 kv_bytes_allocated=kv_cache_bytes(m, self.ctx.n_ctx))
+                                 kv_bytes_allocated=kv_cache_bytes(m, self.ctx.n_ctx),
+                                 # llama.cpp allocates a full cache for every token the session may see
+                                 kv_bytes_full=kv_cache_bytes(m, pad_cells(max_tokens)))
         self.n_past = 0  # next position
         self.logits: np.ndarray | None = None
         self.last_token = -1
@@ -265,8 +262,6 @@ class Engine:
     def _note_live(self) -> None:
         self.stats.kv_cells_live = int(llama_live(self.ctx))
         self.stats.kv_cells_live_peak = max(self.stats.kv_cells_live_peak, self.stats.kv_cells_live)
-        # llama.cpp allocates a full cache for every token the session may see, up front
-        self.stats.kv_bytes_full = kv_cache_bytes(self.model, pad_cells(self.cfg.max_tokens))
 
     def _decode_chunk(self, chunk: list[int], probe: list[int]):
         """Decode a prompt chunk; when compression may follow, decode the probe in the same batch (one

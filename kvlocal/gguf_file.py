@@ -6,6 +6,8 @@ import functools
 import os
 from pathlib import Path
 
+import numpy as np
+
 from .errors import UsageError
 
 GGUF_MAGIC = b"GGUF"
@@ -15,8 +17,7 @@ def check_gguf(path: str | os.PathLike) -> Path:
     """Return the path if it is a complete GGUF file; raise UsageError naming the problem otherwise."""
     path = Path(path)
     if path.is_file():
-        st = path.stat()
-        _check_complete(path.resolve(), st.st_size, st.st_mtime_ns)
+        read_gguf(path)
         return path
     if not path.exists():
         raise UsageError(f"{path}: no such file; give a path to a .gguf model or a name from `kvlocal pull --list`")
@@ -25,9 +26,37 @@ def check_gguf(path: str | os.PathLike) -> Path:
     raise UsageError(f"{path} is not a regular file; give the path of a .gguf model")
 
 
-@functools.lru_cache(maxsize=16)
-def _check_complete(path: Path, size: int, mtime_ns: int) -> None:
-    """Header parse (seconds for a 49K-token vocabulary): done once per file version and process."""
+def read_gguf(path: str | os.PathLike):
+    """The ``GGUFReader`` of a complete GGUF file, shared by everything that reads it in this process.
+
+    Parsing the header takes seconds for a 49K-token vocabulary in gguf-py, so it is done once per file
+    version; raises UsageError naming the problem for a missing, foreign, damaged or truncated file."""
+    path = Path(path)
+    if not path.is_file():
+        check_gguf(path)  # raises: missing, a directory, not a regular file
+    st = path.stat()
+    return _read_complete(path.resolve(), st.st_size, st.st_mtime_ns)
+
+
+def dequantize_tensor(tensor, path: str | os.PathLike | None = None) -> np.ndarray:
+    """One GGUF tensor as a float32 array in numpy order (``reversed(ne)``), with gguf's own routines."""
+    from gguf.quants import dequantize
+
+    try:
+        arr = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise UsageError(
+            f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf package cannot "
+            "dequantize; use a file quantized to a common type (F16, Q8_0, Q4_K_M, ...)"
+        ) from None
+    arr = np.asarray(arr, dtype=np.float32)
+    if np.may_share_memory(arr, tensor.data):  # F32 comes back as a view of the read-only memory map
+        arr = arr.copy()
+    return np.ascontiguousarray(arr.reshape(tuple(int(n) for n in reversed(tensor.shape))))
+
+
+@functools.lru_cache(maxsize=4)
+def _read_complete(path: Path, size: int, mtime_ns: int):
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
@@ -41,3 +70,4 @@ def _check_complete(path: Path, size: int, mtime_ns: int) -> None:
         raise UsageError(f"{path} is a damaged or truncated GGUF file ({type(e).__name__}); download it again") from None
     if end > size:
         raise UsageError(f"{path} is truncated ({size} of {end} bytes); download it again (`kvlocal pull --force`)")
+    return reader

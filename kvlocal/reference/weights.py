@@ -25,11 +25,10 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..errors import UsageError
-from ..gguf_file import GGUF_MAGIC, check_gguf
+from .. import gguf_file
 
 # architecture → how llama.cpp rotates q/k (llama_model_rope_type)
 ROPE_TYPES = {"llama": "norm", "qwen2": "neox"}
@@ -158,43 +157,13 @@ _GLOBAL_TENSORS = {"token_embd.weight", "output_norm.weight", "output.weight", "
 
 def dequantize_tensor(tensor, path: Path | None = None) -> torch.Tensor:
     """One GGUF tensor as float32 torch, in numpy/torch order (``reversed(ne)``)."""
-    from gguf.quants import dequantize
-
-    typ = tensor.tensor_type
-    try:
-        arr = dequantize(tensor.data, typ)
-    except NotImplementedError:
-        raise UsageError(
-            f"{path}: tensor {tensor.name} has type {typ.name}, which the gguf package cannot dequantize; "
-            "use a file quantized to a common type (F16, Q8_0, Q4_K_M, ...)"
-        ) from None
-    shape = tuple(int(n) for n in reversed(tensor.shape))
-    arr = np.asarray(arr, dtype=np.float32)
-    if np.may_share_memory(arr, tensor.data):  # F32 comes back as a view of the read-only memory map
-        arr = arr.copy()
-    return torch.from_numpy(np.ascontiguousarray(arr.reshape(shape)))
+    return torch.from_numpy(gguf_file.dequantize_tensor(tensor, path))
 
 
 def open_gguf(path: str | os.PathLike):
-    """(path, GGUFReader) of a complete GGUF file. Parsing the header of a model with a large vocabulary
-    takes seconds in gguf-py, so the reader is built once; every error message is check_gguf's."""
-    from gguf import GGUFReader
-
-    path = Path(path)
-    if not path.is_file():
-        check_gguf(path)  # raises: missing, or a directory
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            check_gguf(path)  # raises: not a GGUF file
-    try:
-        reader = GGUFReader(path)
-    except Exception:  # damaged header: let check_gguf word it
-        check_gguf(path)
-        raise
-    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-    if end > path.stat().st_size:
-        check_gguf(path)  # raises: truncated
-    return path, reader
+    """(path, GGUFReader) of a complete GGUF file; the reader is the process-wide one of
+    :func:`kvlocal.gguf_file.read_gguf` (parsed once), and every error message is check_gguf's."""
+    return Path(path), gguf_file.read_gguf(path)
 
 
 def load_gguf(path: str | os.PathLike) -> tuple[ModelArgs, dict[str, torch.Tensor]]:

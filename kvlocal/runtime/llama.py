@@ -236,11 +236,6 @@ class Context:
             fn(self._mem, 0, cells.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n)
         return cells, pos
 
-    def kv_bytes(self) -> int:
-        """Bytes of K and V buffers allocated by this context (from llama.cpp's state size of an empty cache is not
-        meaningful, so it is computed from the cache geometry)."""
-        return kv_cache_bytes(self.model, self.n_ctx)
-
 
 def kv_cache_bytes(model: Model, n_ctx: int, bytes_per_elem: float = 2.0) -> int:
     """K+V bytes for n_ctx cells of an F16 cache: 2 · n_layer · n_ctx · n_head_kv · head_dim · 2 bytes."""
