@@ -91,6 +91,31 @@ def _budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=32, help="recent tokens always kept; probe length (default 32)")
 
 
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's sampling flags; the chain is llama.cpp's own (kvlocal/runtime/sampler.py)."""
+    g = p.add_argument_group("sampling (llama.cpp's sampler chain)")
+    g.add_argument("--temp", type=float, default=0.0, help="temperature (default 0: greedy)")
+    g.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40, 0 = off)")
+    g.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95, 1.0 = off)")
+    g.add_argument("--min-p", type=float, default=0.05, help="min-p sampling (default 0.05, 0.0 = off)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalize repeated tokens (default 1.0 = off)")
+    g.add_argument("--repeat-last-n", type=int, default=64, help="tokens the repeat penalty looks back on (default 64, 0 = off)")
+    g.add_argument("--seed", type=int, default=-1, help="sampling seed (default -1: random)")
+
+
+def _sampler(args):
+    from .sampling import Sampler, SamplerParamError
+
+    try:
+        return Sampler(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                       repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                       seed=None if args.seed == -1 else args.seed)
+    except SamplerParamError as e:  # the parameters are named as the flags, with _ for -
+        flag = "--" + e.param.replace("_", "-")
+        rule = e.rule.replace("None (random)", "-1 (random)")
+        raise UsageError(f"{flag} must be {rule} (got {e.value})") from None
+
+
 def _engine(args, model, max_tokens: int):
     from .engine import Budget, Engine
 
@@ -107,15 +132,15 @@ def _engine(args, model, max_tokens: int):
 def cmd_chat(args) -> int:
     from .models import resolve
     from .runtime import Model, runtime_info
-    from .sampling import Sampler
     from .session import ChatSession
 
+    sampler = _sampler(args)
     path = resolve(args.model)
     info = runtime_info()
     model = Model(path, n_gpu_layers=args.n_gpu_layers)
     cap = args.ctx_size or model.n_ctx_train
     engine = _engine(args, model, max_tokens=cap)
-    session = ChatSession(engine, Sampler(args.temp, seed=args.seed), system=args.system)
+    session = ChatSession(engine, sampler, system=args.system)
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"kvlocal chat · {path.name} · {args.method} · budget {args.budget}: {engine.budget_cells:,} of at most "
@@ -141,8 +166,8 @@ def cmd_run(args) -> int:
 
     from .models import resolve
     from .runtime import Model
-    from .sampling import Sampler
 
+    sampler = _sampler(args)
     prompt_path = Path(args.prompt_file)
     if not prompt_path.is_file():
         raise UsageError(f"--prompt-file {prompt_path}: no such file")
@@ -161,7 +186,7 @@ def cmd_run(args) -> int:
     else:  # the prompt ends with its question: its last tokens are the observation window
         probe = tokens[-args.window:]
     engine.prefill(tokens, probe=probe)
-    out = list(engine.generate(args.n_predict, Sampler(args.temp, seed=args.seed)))
+    out = list(engine.generate(args.n_predict, sampler))
     answer = model.detokenize(out)
     if args.dump_plan:
         plan = engine.prompt_plan
@@ -207,9 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     _llama_args(p)
     _budget_args(p)
     p.add_argument("-n", "--n-predict", type=int, default=512, help="most tokens per reply (default 512)")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--system", default=None, help="system message")
+    _sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("run", help="one-shot generation from a prompt file, for scripts and benchmarks")
@@ -217,12 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
     _llama_args(p)
     _budget_args(p)
     p.add_argument("--prompt-file", required=True, help="text file with the prompt")
-    p.add_argument("--chat", action="store_true", help="wrap the file as one user message with the chat template")
+    p.add_argument("--chat", action="store_true", help="wrap the file as one user message with the model's chat template "
+                                                           "(the GGUF's Jinja template; llama.cpp's built-in one if it has none)")
     p.add_argument("--question", default=None, help="score the cache with this question's queries")
     p.add_argument("--agnostic", action="store_true", help="score with the generic probe, not the prompt's tail")
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    p.add_argument("--seed", type=int, default=None)
+    _sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and the figures")
     p.add_argument("--dump-plan", metavar="FILE", help="write the kept source positions per layer and KV head (docs/engine.md)")
     p.set_defaults(func=cmd_run)

@@ -25,9 +25,14 @@ class ChatSession:
         """Add a user turn and stream the reply's text."""
         self.messages.append({"role": "user", "content": user_text})
         prompt = self.model.chat_prompt(self.messages, add_assistant=True)
-        if prompt.startswith(self.fed_text):
-            delta = prompt[len(self.fed_text):]
-        else:  # a template that rewrites earlier turns: append just this turn, rendered alone
+        before = self.fed_text
+        if not prompt.startswith(before) and len(self.messages) > 1:
+            # a template that rewrites earlier turns (trims a reply, drops its thoughts): append this turn
+            # as the template writes it after them
+            before = self.model.chat_prompt(self.messages[:-1], add_assistant=False)
+        if prompt.startswith(before):
+            delta = prompt[len(before):]
+        else:
             delta = self.model.chat_prompt(self.messages[-1:], add_assistant=True)
         tokens = self.model.tokenize(delta, add_special=self.engine.n_past == 0, parse_special=True)
         self.engine.append(tokens, probe=tokens)

@@ -97,24 +97,11 @@ class Model:
         return bool(llama_lib().llama_vocab_is_eog(self._vocab, token))
 
     def chat_prompt(self, messages: list[dict], add_assistant: bool = True) -> str:
-        """Render messages with the model's own chat template (llama.cpp's built-in templates)."""
-        lib = llama_lib()
-        tmpl = lib.llama_model_chat_template(self._ptr, None)
-        if not tmpl:
-            raise UsageError(f"{self.path.name} has no chat template: run without --chat / use `kvlocal run`")
-        keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
-        arr = (lib.llama_chat_message * len(keep))()
-        for i, (role, content) in enumerate(keep):
-            arr[i].role, arr[i].content = role, content
-        size = 2 * sum(len(r) + len(c) for r, c in keep) + 1024
-        buf = ctypes.create_string_buffer(size)
-        n = lib.llama_chat_apply_template(tmpl, arr, len(keep), add_assistant, buf, size)
-        if n > size:
-            buf = ctypes.create_string_buffer(n + 1)
-            n = lib.llama_chat_apply_template(tmpl, arr, len(keep), add_assistant, buf, n + 1)
-        if n < 0:
-            raise UsageError(f"llama.cpp does not know the chat template of {self.path.name}")
-        return buf.raw[:n].decode(errors="replace")
+        """Render messages with the model's chat template: the GGUF's Jinja template, else llama.cpp's
+        built-in one (see runtime/chat_template.py)."""
+        from .chat_template import chat_template
+
+        return chat_template(self).render(messages, add_assistant)
 
 
 class Context:
