@@ -12,7 +12,13 @@ llama.cpp conventions that the forward pass depends on, decided here from the fi
 
 - ``rope_type``: llama.cpp rotates adjacent pairs ``(x[2i], x[2i+1])`` ("norm", GPT-J style) for ``llama``
   — convert_hf_to_gguf permutes the HF q/k rows so that this equals HF's half-split rotation — and
-  rotates ``(x[i], x[i + d/2])`` ("neox") on unpermuted rows for ``qwen2``.
+  rotates ``(x[i], x[i + d/2])`` ("neox") on unpermuted rows for ``qwen2``, ``qwen3`` and ``gemma3``.
+- head sizes, the attention scale and the sliding-window layers come from :func:`kvlocal.arch.arch_info`,
+  the one description of attention that the engine uses too.
+- ``gemma3`` (src/models/gemma3.cpp): embeddings times ``sqrtf(n_embd)``, GELU (tanh) gated FFN, norms
+  after attention and FFN, sliding layers with their own RoPE base (``rope.freq_base_swa``, default
+  10000) and no RoPE scaling, optional ``final_logit_softcapping``. Norm weights are used as stored:
+  convert_hf_to_gguf already added Gemma's ``1 +``.
 - ``rope_scale``: llama.cpp reads ``rope.scaling.factor`` (or the old ``rope.scale_linear``) for every
   scaling type and uses ``freq_scale = 1/factor``; the scaling type defaults to ``linear``. Only
   ``none`` and ``linear`` are reproduced here; YaRN and LongRoPE raise :class:`UsageError`.
@@ -20,6 +26,7 @@ llama.cpp conventions that the forward pass depends on, decided here from the fi
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -27,11 +34,12 @@ from pathlib import Path
 
 import torch
 
+from ..arch import arch_info, gguf_meta
 from ..errors import UsageError
 from .. import gguf_file
 
 # architecture → how llama.cpp rotates q/k (llama_model_rope_type)
-ROPE_TYPES = {"llama": "norm", "qwen2": "neox"}
+ROPE_TYPES = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox"}
 
 # llama_ftype values written as general.file_type (gguf.LlamaFileType), for messages
 FILE_TYPE_NAMES = {
@@ -43,20 +51,26 @@ FILE_TYPE_NAMES = {
 
 @dataclass
 class ModelArgs:
-    arch: str  # general.architecture: "llama" or "qwen2"
+    arch: str  # general.architecture: one of ROPE_TYPES
     n_layer: int
     n_head: int  # query heads
     n_head_kv: int  # key/value heads (GQA: n_head is a multiple)
     n_embd: int  # residual width
     head_dim: int  # attention.key_length, else n_embd // n_head
-    n_ff: int  # SwiGLU hidden width
+    n_ff: int  # gated FFN hidden width
     n_vocab: int
     norm_eps: float  # RMSNorm epsilon
     rope_base: float  # rope.freq_base (10000 when absent, as in llama.cpp)
     rope_scale: float = 1.0  # linear scaling factor: angles are divided by it
     rope_type: str = "norm"  # "norm" (adjacent pairs) or "neox" (halves)
     n_rot: int = 0  # rotated dimensions per head (rope.dimension_count), = head_dim here
-    attn_scale: float = 0.0  # softmax scale; 0 → 1/sqrt(head_dim)
+    attn_scale: float = 0.0  # multiplies q·k (arch_info: 1/sqrt(head_dim) unless the model says otherwise)
+    swa: tuple[bool, ...] = ()  # per layer: True for a sliding-window layer (gemma3)
+    n_swa: int = 0  # sliding window: a query at P sees keys at p with P - p < n_swa
+    rope_base_swa: float = 10000.0  # RoPE base of the sliding layers (they have no RoPE scaling)
+    embed_scale: float = 1.0  # token embeddings are multiplied by it (gemma3: sqrt(n_embd))
+    ffn_act: str = "silu"  # gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, gemma3)
+    logit_softcap: float = 0.0  # logits → c·tanh(logits/c) when > 0 (final_logit_softcapping)
     tied_embeddings: bool = False  # no output.weight: logits use token_embd
     weight_type: str = "F32"  # dominant type of the 2D weights (by element count)
     file_type: str | None = None  # general.file_type as a name, if the file says
@@ -84,20 +98,12 @@ def _int_field(reader, key: str, default=None, path: Path | None = None) -> int:
 
 def read_args(reader, path: Path, tensor_types: dict[str, str], tensor_shapes: dict[str, tuple]) -> ModelArgs:
     """Hyperparameters from GGUF metadata, with llama.cpp's defaults."""
-    arch = _field(reader, "general.architecture")
-    if arch not in ROPE_TYPES:
-        raise UsageError(
-            f"{path}: architecture {arch!r} is not supported by the reference model "
-            f"(supported: {', '.join(ROPE_TYPES)})"
-        )
-    a = arch
+    info = arch_info(gguf_meta(reader), str(path))  # UsageError for an architecture kvlocal refuses
+    arch = a = info.arch
     if _field(reader, f"{a}.expert_count", 0):
         raise UsageError(f"{path}: mixture-of-experts models are not supported by the reference model")
-    n_embd = _int_field(reader, f"{a}.embedding_length", path=path)
-    n_head = _int_field(reader, f"{a}.attention.head_count", path=path)
-    n_head_kv = _int_field(reader, f"{a}.attention.head_count_kv", n_head, path=path)
-    head_dim = _int_field(reader, f"{a}.attention.key_length", n_embd // n_head, path=path)
-    if _int_field(reader, f"{a}.attention.value_length", head_dim, path=path) != head_dim:
+    n_embd, n_head, n_head_kv, head_dim = info.n_embd, info.n_head, info.n_head_kv, info.head_dim_k
+    if info.head_dim_v != head_dim:
         raise UsageError(f"{path}: value heads differ in size from key heads; not supported by the reference model")
     if n_head % n_head_kv:
         raise UsageError(f"{path}: {n_head} query heads is not a multiple of {n_head_kv} KV heads")
@@ -122,9 +128,10 @@ def read_args(reader, path: Path, tensor_types: dict[str, str], tensor_shapes: d
     emb_shape = tensor_shapes.get("token_embd.weight")
     if emb_shape is None:
         raise UsageError(f"{path}: no token_embd.weight tensor")
+    gemma = arch == "gemma3"
     return ModelArgs(
         arch=arch,
-        n_layer=_int_field(reader, f"{a}.block_count", path=path),
+        n_layer=info.n_layer,
         n_head=n_head,
         n_head_kv=n_head_kv,
         n_embd=n_embd,
@@ -136,7 +143,13 @@ def read_args(reader, path: Path, tensor_types: dict[str, str], tensor_shapes: d
         rope_scale=rope_scale,
         rope_type=ROPE_TYPES[arch],
         n_rot=n_rot,
-        attn_scale=float(_field(reader, f"{a}.attention.scale", 0.0)),
+        attn_scale=info.attn_scale,
+        swa=info.swa,
+        n_swa=info.n_swa,
+        rope_base_swa=float(_field(reader, f"{a}.rope.freq_base_swa", 10000.0)),
+        embed_scale=math.sqrt(n_embd) if gemma else 1.0,
+        ffn_act="gelu_tanh" if gemma else "silu",
+        logit_softcap=float(_field(reader, f"{a}.final_logit_softcapping", 0.0) or 0.0) if gemma else 0.0,
         tied_embeddings="output.weight" not in tensor_types,
         weight_type=sizes.most_common(1)[0][0] if sizes else "F32",
         file_type=FILE_TYPE_NAMES.get(int(file_type), str(file_type)) if file_type is not None else None,
@@ -152,7 +165,15 @@ _LAYER_TENSORS = {
     "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
     "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias",
 }
-_GLOBAL_TENSORS = {"token_embd.weight", "output_norm.weight", "output.weight", "output.bias", "rope_freqs.weight"}
+_GLOBAL_TENSORS = {"token_embd.weight", "output_norm.weight", "output.weight", "output.bias"}
+# what each architecture adds, all required by llama.cpp's loader (per layer; rope_freqs is global and
+# optional: llama-3 frequency factors, which only llama's graph applies)
+_QK_NORMS = ("attn_q_norm.weight", "attn_k_norm.weight")  # RMSNorm over each head's vector, before RoPE
+ARCH_LAYER_TENSORS = {
+    "llama": (), "qwen2": (), "qwen3": _QK_NORMS,
+    "gemma3": _QK_NORMS + ("post_attention_norm.weight", "post_ffw_norm.weight"),
+}
+ARCH_GLOBAL_TENSORS = {"llama": {"rope_freqs.weight"}}
 
 
 def dequantize_tensor(tensor, path: Path | None = None) -> torch.Tensor:
@@ -181,7 +202,9 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelArgs, dict[str, torch.Tenso
     for tensor in reader.tensors:
         name = tensor.name
         parts = name.split(".", 2)
-        known = name in _GLOBAL_TENSORS or (parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_TENSORS)
+        extra = ARCH_LAYER_TENSORS[args.arch]
+        known = (name in _GLOBAL_TENSORS or name in ARCH_GLOBAL_TENSORS.get(args.arch, ())
+                 or (parts[0] == "blk" and len(parts) == 3 and (parts[2] in _LAYER_TENSORS or parts[2] in extra)))
         if not known:
             raise UsageError(f"{path}: tensor {name} is not part of a plain {args.arch} model; "
                              "the reference cannot run it")
@@ -206,9 +229,11 @@ def _check_shapes(args: ModelArgs, w: dict[str, torch.Tensor], path: Path) -> No
             b + "ffn_gate.weight": (args.n_ff, d), b + "ffn_up.weight": (args.n_ff, d),
             b + "ffn_down.weight": (d, args.n_ff),
             b + "ffn_gate.bias": (args.n_ff,), b + "ffn_up.bias": (args.n_ff,), b + "ffn_down.bias": (d,),
+            b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,),
+            b + "post_attention_norm.weight": (d,), b + "post_ffw_norm.weight": (d,),
         })
         required = ("attn_norm", "ffn_norm", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-        for name in (f"{x}.weight" for x in required):
+        for name in (*(f"{x}.weight" for x in required), *ARCH_LAYER_TENSORS[args.arch]):
             if b + name not in w:
                 raise UsageError(f"{path}: tensor {b + name} is missing")
         if b + "attn_qkv.weight" not in w and not all(b + f"attn_{x}.weight" in w for x in "qkv"):

@@ -104,4 +104,6 @@ def test_weight_classes():
     assert verify.weight_class("Q4_1") == "quantized" and verify.weight_class("Q6_K") == "quantized"
     assert verify.weight_class("F16") == "F16" and verify.weight_class("BF16") == "BF16"
     assert verify.weight_class("Q2_K") == "low-bit"
+    assert verify.weight_class("F32", "gemma3") == "F16"  # llama.cpp's fp16 GELU table
+    assert verify.weight_class("F32", "qwen3") == "F32" and verify.weight_class("Q8_0", "gemma3") == "quantized"
     assert verify.TOLERANCES["F32"].kl < verify.TOLERANCES["F16"].kl < verify.TOLERANCES["quantized"].kl
