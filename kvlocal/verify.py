@@ -203,7 +203,9 @@ def compare_models(ref_model, lm, tokens: list[int], rope_freq_base: float | Non
     a, n = ref_model.args, len(tokens)
     _progress(f"llama.cpp: {n} tokens")
     t1 = time.perf_counter()
-    ctx = Context(lm, n_ctx=n, n_batch=min(n, 512), flash_attn=False, rope_freq_base=rope_freq_base or 0.0,
+    # a sliding-window model's context must hold its window and a batch (runtime.Context says so)
+    n_ctx = max(n, a.n_swa + min(n, 512)) if a.n_swa else n
+    ctx = Context(lm, n_ctx=n_ctx, n_batch=min(n, 512), flash_attn=False, rope_freq_base=rope_freq_base or 0.0,
                   type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32, n_threads=n_threads)
     try:
         ll = ctx.decode(tokens, positions=range(n), logits="all")  # [T, V]
