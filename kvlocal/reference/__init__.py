@@ -1,6 +1,6 @@
 """PyTorch reference: GGUF weights → a readable float32 forward pass with an explicit KV cache.
 
-``Transformer.from_gguf(path)`` loads a llama/qwen2 GGUF file; ``model(tokens, positions, cache)``
+``Transformer.from_gguf(path)`` loads a llama, qwen2, qwen3 or gemma3 GGUF file; ``model(tokens, positions, cache)``
 returns logits and appends post-RoPE keys and values to a :class:`KVCache` whose rows may be kept,
 merged and biased per head. ``kvlocal verify`` checks this model against llama.cpp.
 
@@ -8,9 +8,9 @@ torch is imported only when this package is, so the rest of kvlocal runs without
 """
 
 from .cache import KVCache, LayerKV, attend
-from .model import Transformer, apply_rope, prefill, rope_angles
+from .model import Transformer, apply_rope, attend_window, prefill, rope_angles
 from .weights import ModelArgs, load_gguf
 
 __all__ = [
-    "KVCache", "LayerKV", "attend", "Transformer", "ModelArgs", "load_gguf", "prefill", "rope_angles", "apply_rope",
+    "KVCache", "LayerKV", "attend", "attend_window", "Transformer", "ModelArgs", "load_gguf", "prefill", "rope_angles", "apply_rope",
 ]

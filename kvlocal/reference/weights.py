@@ -98,6 +98,8 @@ def _int_field(reader, key: str, default=None, path: Path | None = None) -> int:
 
 def read_args(reader, path: Path, tensor_types: dict[str, str], tensor_shapes: dict[str, tuple]) -> ModelArgs:
     """Hyperparameters from GGUF metadata, with llama.cpp's defaults."""
+    for key in ("attention.head_count", "attention.head_count_kv", "feed_forward_length"):
+        _int_field(reader, f"{_field(reader, 'general.architecture')}.{key}", 0, path)  # UsageError if per layer
     info = arch_info(gguf_meta(reader), str(path))  # UsageError for an architecture kvlocal refuses
     arch = a = info.arch
     if _field(reader, f"{a}.expert_count", 0):

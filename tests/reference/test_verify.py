@@ -28,7 +28,7 @@ def test_defaults():
     assert _args().model is None  # the default model, through kvlocal's model cache
 
 
-@pytest.mark.parametrize("arch,wtype", [("llama", "Q4_0"), ("qwen2", "F16")])
+@pytest.mark.parametrize("arch,wtype", [("llama", "Q4_0"), ("qwen2", "F16"), ("qwen3", "Q8_0"), ("gemma3", "F32")])
 def test_passes_and_reports(tiny_path, capsys, arch, wtype):
     assert _run(tiny_path(arch, wtype), "--tokens", 128) == 0
     out = capsys.readouterr()
@@ -45,13 +45,15 @@ def test_json(tiny_path, capsys):
         assert isinstance(r[key], float)
 
 
-@pytest.mark.parametrize("arch,wtype,base", [("llama", "F32", 20000.0), ("qwen2", "Q4_0", 11000.0)])
+@pytest.mark.parametrize("arch,wtype,base", [("llama", "F32", 20000.0), ("qwen2", "Q4_0", 11000.0),
+                                             ("gemma3", "Q8_0", 10000.0)])
 def test_wrong_rope_base_fails(tiny_path, capsys, arch, wtype, base):
-    """llama.cpp alone gets the override (the file says 10000): the check must fail with exit code 1."""
+    """llama.cpp alone gets the override (the file says 10000, gemma3 1e6 — llama.cpp applies it to the
+    full layers only): the check must fail with exit code 1."""
     assert _run(tiny_path(arch, wtype), "--tokens", 128, "--rope-freq-base", base, "--json") == 1
     r = json.loads(capsys.readouterr().out)
     assert r["passed"] is False and "mean_kl" in r["failed_checks"]
-    assert r["rope_freq_base"] == {"file": 10000.0, "llama_cpp": base}
+    assert r["rope_freq_base"] == {"file": 1e6 if arch == "gemma3" else 10000.0, "llama_cpp": base}
 
 
 def test_smollm2_passes_and_fails_with_wrong_rope_base(smollm2_ref, smollm2_llama, sample_text):
