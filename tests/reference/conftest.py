@@ -1,8 +1,8 @@
-"""Fixtures of the reference tests: tiny generated GGUF models (both architectures × five weight types)
-and SmolLM2-135M Q4_1, each loaded once per session.
+"""Fixtures of the reference tests: tiny generated GGUF models (four architectures × five weight types),
+SmolLM2-135M Q4_1 and Gemma 3 270M Q4_K_M, each loaded once per session.
 
-The tests run llama.cpp for real (no mocks). SmolLM2 is $KVLOCAL_TEST_SMOLLM2 if set, else the copy in
-kvlocal's model cache, pulled on first use (``kvlocal.models.pull``).
+The tests run llama.cpp for real (no mocks). SmolLM2 is $KVLOCAL_TEST_SMOLLM2 if set, Gemma 3
+$KVLOCAL_TEST_GEMMA3, else the copy in kvlocal's model cache, pulled on first use (``kvlocal.models.pull``).
 """
 
 from __future__ import annotations
@@ -28,13 +28,17 @@ torch.set_num_threads(1)
 GGML_TYPE_F32 = 0
 
 
-def smollm2_path() -> Path | None:
-    env = os.environ.get("KVLOCAL_TEST_SMOLLM2")
+def model_path(name: str = "smollm2-135m", env_var: str = "KVLOCAL_TEST_SMOLLM2") -> Path | None:
+    env = os.environ.get(env_var)
     candidates = [Path(env)] if env else []
     from kvlocal.models import pull  # the user's model cache; downloaded on first use
 
-    candidates.append(pull("smollm2-135m", quiet=True))
+    candidates.append(pull(name, quiet=True))
     return next((p for p in candidates if p.is_file()), None)
+
+
+def smollm2_path() -> Path | None:
+    return model_path("smollm2-135m", "KVLOCAL_TEST_SMOLLM2")
 
 
 def _llama_logits(model, tokens, positions=None, rope_freq_base: float = 0.0) -> np.ndarray:
@@ -84,6 +88,14 @@ def smollm2() -> Path:
     path = smollm2_path()
     if path is None:
         pytest.skip("SmolLM2-135M not found (set KVLOCAL_TEST_SMOLLM2 to its .gguf path)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> Path:
+    path = model_path("gemma3-270m", "KVLOCAL_TEST_GEMMA3")
+    if path is None:
+        pytest.skip("Gemma 3 270M not found (set KVLOCAL_TEST_GEMMA3 to its .gguf path)")
     return path
 
 
