@@ -130,3 +130,39 @@ def test_gemma3_chats(gemma3):
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("has no chat template; using llama.cpp's built-in 'gemma' template") == 1
     assert r.stdout.strip()
+
+
+# ChatML that keeps only the first 8 characters of earlier replies, as templates that drop a reply's
+# thoughts do: the text rendered after a reply no longer starts with what the cache was fed. And, as
+# SmolLM2's and Qwen's, a default system message: the new turn rendered alone would repeat it.
+CUTS_REPLIES = (
+    "{% if messages[0].role != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' }}"
+    "{{ m.content[:8] if m.role == 'assistant' else m.content }}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def text_of(model: Model, tokens) -> str:
+    return b"".join(model.token_bytes(t, special=True) for t in tokens).decode()
+
+
+def test_session_appends_only_the_new_turn_when_the_template_rewrites_earlier_ones(smollm2):
+    from kvlocal.engine import Engine
+    from kvlocal.sampling import Sampler
+    from kvlocal.session import ChatSession
+
+    model = Model(smollm2)
+    ct._templates[model] = ct.ChatTemplate("cuts-replies", CUTS_REPLIES, "chatml")
+    session = ChatSession(Engine(model, 1.0, "full", max_tokens=512), Sampler())
+    fed = []
+    append = session.engine.append
+    session.engine.append = lambda tokens, probe=None: fed.append(text_of(model, tokens)) or append(tokens, probe)
+    first = "".join(session.ask("What is the capital of Germany?", max_tokens=24))
+    assert "Berlin" in first and len(first) > 8
+    assert fed[0].startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")  # the default system message
+    second = "".join(session.ask("And what is the capital of Italy?", max_tokens=24))
+    assert fed[1] == "<|im_start|>user\nAnd what is the capital of Italy?<|im_end|>\n<|im_start|>assistant\n"
+    assert "Rome" in second
