@@ -105,14 +105,16 @@ def attend_window(q: torch.Tensor, q_pos: torch.Tensor, kv: LayerKV, n_swa: int)
 
     llama.cpp (``is_masked_swa``, LLAMA_SWA_TYPE_STANDARD) hides a key at position p from a query at
     position P when ``P - p >= n_swa``, over whatever the cache holds. attend() masks whole slots, through
-    their bias, so queries whose window cuts off a held slot go one at a time with those slots hidden.
+    their bias, so once the window cuts off a held slot the queries go one at a time, each with the
+    slots outside its window hidden (a ``window`` argument of attend() would do this in one call).
     """
     if n_swa <= 0:
         return attend(q, q_pos, kv)
     hidden = (q_pos[:, None, None] - kv.pos[None] >= n_swa) & (kv.pos[None] >= 0)  # [T, Hkv, S]
     if not hidden.any():  # the window cuts nothing the cache holds
         return attend(q, q_pos, kv)
-    out = [attend(q[:, t : t + 1], q_pos[t : t + 1], dataclasses.replace(kv, bias=kv.bias.masked_fill(hidden[t], -math.inf)))
+    out = [attend(q[:, t : t + 1], q_pos[t : t + 1],
+                  dataclasses.replace(kv, bias=kv.bias.masked_fill(hidden[t], -math.inf)))
            for t in range(q.shape[1])]
     return torch.cat(out, dim=1)  # [Hq, T, d]
 
