@@ -15,15 +15,38 @@ cell is just a slot. A cell has one position (for the causal mask and for "the n
 max position + 1"); the engine keeps each row's true source position itself (``_true_pos``) and
 uses it for scoring, pooling and recency.
 
+Models with interleaved sliding-window attention (Gemma 3) keep two caches in llama.cpp: the
+sliding layers' cache is bounded by the window already, and llama.cpp keeps it; kvlocal compresses
+the full-attention layers' cache (``model.arch.full_layers``) to the budget. Memory figures count both.
+
+Scoring uses the model's own attention scale (``arch.attn_scale``: Gemma's query scaling, a file's
+``attention.scale``), with head sizes from ``key_length``/``value_length``.
+
+The observation window (docs/engine.md, "What scores the cache"):
+
+- prefill and a chat turn: the probe is the last ``window`` tokens of the text being added (its end:
+  the question and, in a chat, the template's assistant header), or ``probe=`` given explicitly;
+- decode-time events: the last half-window of that probe followed by the last half-window of the
+  reply generated so far, so a long reply is scored by what it is saying now as well as by the
+  question, and does not lose its own beginning to a question that never looks at it.
+
+Ctrl-C (KeyboardInterrupt) at any point leaves the engine as it was before the interrupted chunk or
+token: cells past the last completed position are removed, and a compression event either completes
+or leaves the previous cells (``write_seq`` is all or nothing).
+
 An Engine is not thread-safe: use one per thread (or guard it with a lock). Several engines may
 share nothing but the read-only W_O cache.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import functools
 import math
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,8 +59,8 @@ from .errors import UsageError
 from .gguf_file import dequantize_tensor, read_gguf
 from .runtime import Context, Model
 from .runtime.capture import QueryCapture
-from .runtime.llama import kv_cache_bytes
-from .runtime.state import SeqKV, read_seq, write_seq
+from .runtime.llama import N_UBATCH, kv_cache_bytes
+from .runtime.state import CacheLost, SeqKV, read_seq, write_seq
 from .sampling import Sampler
 
 # A generic observation window for when the question is not known yet (a document read before the
@@ -86,8 +109,12 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     n_ctx: int = 0
-    kv_bytes_allocated: int = 0
-    kv_bytes_full: int = 0  # what llama.cpp's full cache for max_tokens would allocate
+    kv_bytes_allocated: int = 0  # K/V bytes of this context, both caches: measured from llama.cpp's buffers
+    kv_bytes_swa: int = 0  # of which the sliding-window cache (iSWA models; llama.cpp bounds it itself)
+    kv_bytes_measured: bool = False  # False on a stock runtime: kv_bytes_allocated is then the formula
+    kv_bytes_full: int = 0  # what llama.cpp's full cache for max_tokens would allocate (formula, both caches)
+    wo_cache_bytes: int = 0  # kvlocal's own memory: dequantized W_O kept for CriticalKV (bounded)
+    host_bytes_peak: int = 0  # kvlocal's own memory: the largest host copy of the cache one event made
     budget_cells: int = 0
     kv_cells_live: int = 0
     kv_cells_live_peak: int = 0
@@ -101,16 +128,48 @@ class EngineStats:
         return asdict(self)
 
 
+WO_CACHE_BYTES = 256 << 20  # the most float32 W_O kvlocal keeps per model file (KVLOCAL_WO_CACHE_MIB)
+
+
+class OutputProjections:
+    """W_O of a model's layers as float32 ``[D, Hq*d]`` (HF layout), dequantized on demand and kept in a
+    least-recently-used cache of at most ``max_bytes``: all layers of a small model (SmolLM2: 38 MiB),
+    a few of a large one (an 8B model's 32 layers would take 2 GiB, more than the KV cache they save)
+    — the others are dequantized again at each event that needs them. Thread-safe; shared by the
+    engines of one process (:func:`output_projections`)."""
+
+    def __init__(self, path: str, max_bytes: int = WO_CACHE_BYTES):
+        self.path, self.max_bytes = path, int(max_bytes)
+        self._tensors = {t.name: t for t in read_gguf(path).tensors}
+        self._cache: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._cache.values())
+
+    def __getitem__(self, il: int) -> np.ndarray:
+        with self._lock:
+            if il in self._cache:
+                self._cache.move_to_end(il)
+                return self._cache[il]
+        name = f"blk.{il}.attn_output.weight"
+        if name not in self._tensors:
+            raise UsageError(f"{Path(self.path).name} has no {name}: CriticalKV needs each layer's output projection")
+        wo = dequantize_tensor(self._tensors[name], self.path)
+        with self._lock:
+            self._cache[il] = wo
+            while len(self._cache) > 1 and self.nbytes > self.max_bytes:
+                self._cache.popitem(last=False)
+        return wo
+
+
 @functools.lru_cache(maxsize=4)
-def output_projections(path: str) -> tuple[np.ndarray, ...]:
-    """W_O of every layer as float32 [D, Hq*d] (HF layout), dequantized once per model file."""
-    by_name = {t.name: t for t in read_gguf(path).tensors}
-    out = []
-    il = 0
-    while f"blk.{il}.attn_output.weight" in by_name:
-        out.append(dequantize_tensor(by_name[f"blk.{il}.attn_output.weight"], path))
-        il += 1
-    return tuple(out)
+def output_projections(path: str) -> OutputProjections:
+    import os
+
+    mib = os.environ.get("KVLOCAL_WO_CACHE_MIB")
+    return OutputProjections(path, int(float(mib) * 2**20) if mib else WO_CACHE_BYTES)
 
 
 @dataclass
@@ -121,6 +180,15 @@ class EngineConfig:
     window: int = 32  # most recent tokens always kept; also the probe length cap
     n_sink: int = 4  # first tokens always kept (attention sinks)
     max_tokens: int | None = None  # tokens a session may see in all (hard cap; sizes a ratio budget)
+
+    def validate(self) -> None:
+        """Raise UsageError naming the fix for values the engine cannot work with."""
+        for name, lo in (("chunk", 1), ("window", 1), ("n_sink", 0), ("max_tokens", 1)):
+            val = getattr(self, name)
+            if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < lo:
+                raise UsageError(f"{name} must be a whole number >= {lo}, got {val!r}")
+        if self.window > N_UBATCH // 2:
+            raise UsageError(f"window {self.window} is too large: at most {N_UBATCH // 2} (the probe is decoded with a chunk in one batch)")
 
 
 class Engine:
@@ -146,48 +214,67 @@ class Engine:
         n_threads: int | None = None,
         type_k: int | None = None,
     ):
-        self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
         budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
         self.cfg = EngineConfig(budget, method, chunk, window, n_sink, max_tokens)
+        self.cfg.validate()
         if type_k not in (None, 1) and method != "full":  # 1 = GGML_TYPE_F16
             raise UsageError("compression with a quantized KV cache is not supported yet (K is stored Hadamard-rotated): use the default F16 cache or --method full")
         self.scorer = make_scorer(method)
+        self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
         m = self.model
-        self.head_dim = m.n_embd // m.n_head
+        self.layers = m.arch.full_layers  # the model layers whose cache is compressed (all but sliding ones)
+        self.head_dim = m.arch.head_dim_k
+        # the scorers compute q·k/√d; the model's logits are q·k·attn_scale: scale the queries once
+        self._q_scale = np.float32(m.arch.attn_scale * math.sqrt(self.head_dim))
         floor = n_sink + window
         # a budget above what the session may see is just the full cache
         self.budget_cells = max_tokens if method == "full" else min(budget.cells_for(max_tokens, floor), max_tokens)
         # llama.cpp pads n_ctx (to 256 cells here); prefill chunks then fill whatever is free, so the
         # effective chunk is n_ctx - budget - probe >= chunk
         headroom = 0 if method == "full" else chunk + window
-        self.capture = QueryCapture(m.n_layer, m.n_head, self.head_dim)
+        self.capture = QueryCapture.for_model(m)
         n_ctx = self.budget_cells + headroom
+        if m.arch.has_swa:  # the sliding cache shares n_ctx: it must hold the window and a chunk with its probe
+            n_ctx = max(n_ctx, m.arch.n_swa + chunk + window)
         self.ctx = Context(m, n_ctx=n_ctx, n_batch=min(n_ctx, 2048), flash_attn=flash_attn,
                            n_threads=n_threads, type_k=type_k, cb_eval=self.capture.callback)
+        measured = self.ctx.kv_bytes()
+        allocated = measured or kv_cache_bytes(m, self.ctx.n_ctx, self.ctx.n_ubatch)
         self.stats = EngineStats(n_ctx=self.ctx.n_ctx, budget_cells=self.budget_cells,
-                                 kv_bytes_allocated=kv_cache_bytes(m, self.ctx.n_ctx),
+                                 kv_bytes_allocated=sum(allocated), kv_bytes_swa=allocated[1],
+                                 kv_bytes_measured=measured is not None,
                                  # llama.cpp allocates a full cache for every token the session may see
-                                 kv_bytes_full=kv_cache_bytes(m, pad_cells(max_tokens)))
+                                 kv_bytes_full=sum(kv_cache_bytes(m, pad_cells(max_tokens))))
+        self._broken: str | None = None  # set when a failed rewrite lost the cache: nothing more may run
         self.n_past = 0  # next position
         self.logits: np.ndarray | None = None
         self.last_token = -1
         # true source positions of the rows of cells written by the last compression:
         # cell position (unique) -> [n_layer, Hkv] positions; cells added since hold one token each
+        n_cl = len(self.layers)
         self._slot_pos = np.zeros(0, dtype=np.int64)
-        self._slot_true = np.zeros((m.n_layer, m.n_head_kv, 0), dtype=np.int64)
-        self._slot_vnorm = np.zeros((m.n_layer, m.n_head_kv, 0), dtype=np.float32)
-        self.last_plan: Plan | None = None  # the latest compression event's plan
+        self._slot_true = np.zeros((n_cl, m.n_head_kv, 0), dtype=np.int64)
+        self._slot_vnorm = np.zeros((n_cl, m.n_head_kv, 0), dtype=np.float32)
+        self.last_plan: Plan | None = None  # the latest compression event's plan (its layers: self.layers)
         self.prompt_plan: Plan | None = None  # the plan in effect when the prompt ended (--dump-plan)
+        self.last_probe: list[int] = []  # the tokens whose queries scored the latest event
+        self._probe: list[int] | None = None  # the probe of the last prefill/append
+        self._reply: list[int] = []  # tokens generated since the last prefill/append
         self._wo = output_projections(str(m.path)) if method == "criticalkv" else None
 
     # -- public API ---------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int], probe: Sequence[int] | None = None) -> np.ndarray:
         """Decode a prompt in chunks that fill the free cells, compressing back to the budget whenever the
         context is full and once more at the end. ``probe``: tokens whose queries score the cache (the
-        question); None uses the generic query-agnostic probe. Returns the last logits."""
+        question; its last ``window`` tokens are used); None uses the generic query-agnostic probe.
+        Returns the last logits."""
+        self._check_usable()
+        if len(tokens) == 0:
+            raise UsageError("the prompt is empty: give at least one token of text")
         t0 = time.perf_counter()
         self._check_cap(len(tokens))
         probe = self._probe_tokens(probe)
+        self._probe, self._reply = probe, []
         observed = None  # the probe's queries over the cache as it is now
         i = 0
         while i < len(tokens):
@@ -204,7 +291,6 @@ class Engine:
         if self.prompt_plan is None:
             self.prompt_plan = self.last_plan
         self.stats.prefill_seconds += time.perf_counter() - t0
-        self._probe = probe
         return self.logits
 
     def append(self, tokens: Sequence[int], probe: Sequence[int] | None = None) -> np.ndarray:
@@ -215,24 +301,36 @@ class Engine:
         """Yield up to max_new tokens; the end-of-generation token is kept in the cache, not yielded.
 
         New tokens fill the cells the prefill chunks used (``slack`` = n_ctx - budget - probe cells);
-        when those are full the cache is compressed back to the budget, scored by the last probe."""
+        when those are full the cache is compressed back to the budget, scored by :meth:`decode_probe`."""
+        self._check_usable()
+        if self.logits is None:
+            raise UsageError("nothing to continue: prefill a prompt before generating")
         sampler = sampler or Sampler()
-        probe = getattr(self, "_probe", None) or self._probe_tokens(None)
         for _ in range(max_new):
             tok = sampler(self.logits)
             t0 = time.perf_counter()
             self._check_cap(1)
-            if self.live_cells() + 1 > self.ctx.n_ctx - self._reserve(probe):
-                self._compress(probe)
-            self.logits = self.ctx.decode([tok], [self.n_past], "last")
-            self.n_past += 1
+            if self.live_cells() + 1 > self.ctx.n_ctx - self._reserve(self.decode_probe()):
+                self._compress(self.decode_probe())
+            with self._rollback():
+                self.logits = self._decode([tok], [self.n_past], "last")
+                self.n_past += 1
             self.last_token = tok
+            self._reply.append(tok)
             self._note_live()
             self.stats.decode_seconds += time.perf_counter() - t0
             if stop_at_eog and self.model.is_eog(tok):
                 return
             self.stats.generated_tokens += 1
             yield tok
+
+    def decode_probe(self) -> list[int]:
+        """The probe of a decode-time event: the last half-window of the prompt's probe followed by the
+        last half-window of the reply so far (the whole window for whichever is short)."""
+        probe = self._probe or self._probe_tokens(None)
+        w = self.cfg.window
+        reply = self._reply[-(w // 2):] if w > 1 else []
+        return (probe[-(w - len(reply)):] + reply)[-w:]
 
     @property
     def slack(self) -> int:
@@ -252,6 +350,10 @@ class Engine:
         return 0 if self.cfg.method == "full" else self.cfg.window
 
     # -- internals ------------------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise RuntimeError(f"this engine lost its cache ({self._broken}): start a new one")
+
     def _check_cap(self, n: int) -> None:
         cap = self.cfg.max_tokens
         if cap is not None and self.n_past + n > cap:
@@ -259,49 +361,78 @@ class Engine:
         if self.cfg.method == "full" and self.n_past + n > self.ctx.n_ctx:
             raise UsageError(f"the full cache of {self.ctx.n_ctx} cells is full: use --budget with a compression method")
 
+    @contextlib.contextmanager
+    def _rollback(self):
+        """Run a decode; if it fails or is interrupted (Ctrl-C), remove every cell past ``n_past`` so the
+        cache is what it was before, and re-raise."""
+        try:
+            yield
+        except BaseException:
+            self.capture.disarm()
+            self.ctx.remove(self.n_past, -1)
+            self._note_live()
+            raise
+
+    def _decode(self, tokens, positions, logits) -> np.ndarray:
+        """``ctx.decode``, then a Ctrl-C that arrived while llama.cpp ran our eval callback (where ctypes
+        would swallow it) is raised here (inside :meth:`_rollback`)."""
+        out = self.ctx.decode(tokens, positions, logits)
+        self.capture.raise_interrupt()
+        return out
+
     def _note_live(self) -> None:
         self.stats.kv_cells_live = int(llama_live(self.ctx))
         self.stats.kv_cells_live_peak = max(self.stats.kv_cells_live_peak, self.stats.kv_cells_live)
 
     def _decode_chunk(self, chunk: list[int], probe: list[int]):
-        """Decode a prompt chunk; when compression may follow, decode the probe in the same batch (one
-        graph, better matmul shapes than a separate small batch), capture its queries, and remove it.
-        Returns the observation (queries, positions) or None."""
+        """Decode a prompt chunk; when compression may follow, decode the probe in the same call as the
+        chunk's tail (one graph, better matmul shapes than a separate small batch, and one ubatch, so
+        that a sliding-window cache only reuses cells relative to a real token), capture its queries,
+        and remove it. Returns the observation (queries, positions) or None."""
         p0 = self.n_past
         with_probe = self.cfg.method != "full" and self.live_cells() + len(chunk) > self.budget_cells
-        if not with_probe:
-            self.logits = self.ctx.decode(chunk, range(p0, p0 + len(chunk)), "last")
+        with self._rollback():
+            if not with_probe:
+                self.logits = self._decode(chunk, range(p0, p0 + len(chunk)), "last")
+                self.n_past += len(chunk)
+                self._note_live()
+                return None
+            head = max(0, len(chunk) + len(probe) - min(self.ctx.n_batch, self.ctx.n_ubatch))
+            if head:
+                self._decode(chunk[:head], range(p0, p0 + head), "none")
+            t0 = time.perf_counter()
+            seq = chunk[head:] + probe
+            self.capture.arm(len(probe))
+            try:
+                self.logits = self._decode(seq, range(p0 + head, p0 + len(chunk) + len(probe)), len(seq) - len(probe) - 1)
+            finally:
+                self.capture.disarm()
             self.n_past += len(chunk)
-            self._note_live()
-            return None
-        t0 = time.perf_counter()
-        seq = chunk + probe
-        self.capture.arm(len(probe))
-        try:
-            self.logits = self.ctx.decode(seq, range(p0, p0 + len(seq)), len(chunk) - 1)
-        finally:
-            self.capture.disarm()
-        self.n_past += len(chunk)
-        self.ctx.remove(self.n_past, -1)
+            self.ctx.remove(self.n_past, -1)
+            queries = self.capture.take()
         self._note_live()
+        self.last_probe = list(probe)
         # the probe's share of this decode counts as compression time (estimated by token share)
         dt = (time.perf_counter() - t0) * len(probe) / len(seq)
         self.stats.compression_seconds += dt
         self.stats.compression_breakdown["observe"] = self.stats.compression_breakdown.get("observe", 0.0) + dt
-        return self.capture.take(), np.arange(self.n_past, self.n_past + len(probe))
+        return queries, np.arange(self.n_past, self.n_past + len(probe))
 
     def _observe(self, probe: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray]:
-        """Decode the probe after the cache with query capture, then remove it. Returns per-layer
-        post-RoPE queries [Hq, w, d] and their positions [w]."""
+        """Decode the probe after the cache with query capture, then remove it. Returns per compressed
+        layer post-RoPE queries [Hq, w, d] and their positions [w]."""
         p0 = self.n_past
         q_pos = np.arange(p0, p0 + len(probe))
-        self.capture.arm(len(probe))
-        try:
-            self.ctx.decode(list(probe), q_pos.tolist(), "none")
-        finally:
-            self.capture.disarm()
-        self.ctx.remove(p0, -1)
-        return self.capture.take(), q_pos
+        with self._rollback():
+            self.capture.arm(len(probe))
+            try:
+                self._decode(list(probe), q_pos.tolist(), "none")
+            finally:
+                self.capture.disarm()
+            self.ctx.remove(p0, -1)
+            queries = self.capture.take()
+        self.last_probe = list(probe)
+        return queries, q_pos
 
     def _carry(self, cell_pos: np.ndarray, slot_values: np.ndarray, fresh: np.ndarray) -> np.ndarray:
         """Per-row values [n_layer, Hkv, n] of the cells read now: the value of the slot a cell was
@@ -315,9 +446,8 @@ class Engine:
 
     def _true_positions(self, cell_pos: np.ndarray) -> np.ndarray:
         """[n_layer, Hkv, n] true source position of every row, from each cell's position."""
-        m = self.model
-        fresh = np.broadcast_to(cell_pos.astype(np.int64), (m.n_layer, m.n_head_kv, len(cell_pos)))
-        return self._carry(cell_pos, self._slot_true, fresh)
+        shape = (len(self.layers), self.model.n_head_kv, len(cell_pos))
+        return self._carry(cell_pos, self._slot_true, np.broadcast_to(cell_pos.astype(np.int64), shape))
 
     def _compress(self, probe: Sequence[int], observed=None) -> None:
         """One compression event back to the budget; ``observed``: the probe's queries if the last decode
@@ -330,46 +460,76 @@ class Engine:
         kv = read_seq(self.ctx)
         true = self._true_positions(kv.pos)
         # projected value norms depend only on a row and W_O: carry them over for rows that stay
-        m = self.model
-        vnorm = self._carry(kv.pos, self._slot_vnorm, np.full((m.n_layer, m.n_head_kv, kv.n), np.nan, np.float32))
+        n_cl, hkv = len(self.layers), self.model.n_head_kv
+        vnorm = self._carry(kv.pos, self._slot_vnorm, np.full((n_cl, hkv, kv.n), np.nan, np.float32))
         t2 = clock()
         keep = []
-        for il in range(self.model.n_layer):
+        host = kv.blob.nbytes if kv.blob is not None else 0
+        for i, il in enumerate(self.layers):  # i: index in the compressed cache, il: the model's layer
             inputs = LayerInputs(
-                k=kv.k[il].transpose(1, 0, 2).astype(np.float32),  # [Hkv, n, d]
-                v=kv.v[il].transpose(1, 0, 2).astype(np.float32),
-                pos=true[il],  # [Hkv, n]
-                q=q[il],
+                k=kv.k[i].transpose(1, 0, 2).astype(np.float32),  # [Hkv, n, d]
+                v=kv.v[i].transpose(1, 0, 2).astype(np.float32),
+                pos=true[i],  # [Hkv, n]
+                q=q[i] * self._q_scale,
                 q_pos=q_pos,
                 wo=self._wo[il] if self._wo is not None else None,
                 layer=il,
                 n_sink=self.cfg.n_sink,
                 window=self.cfg.window,  # the probe is not cached: protect the most recent rows instead
-                vnorm=vnorm[il],  # CriticalKV fills in the ones it computes
+                vnorm=vnorm[i],  # CriticalKV fills in the ones it computes
             )
             keep.append(self.scorer.keep(inputs, budget))  # [Hkv, budget] cell indices, position order
+            if i == 0:
+                host += inputs.k.nbytes + inputs.v.nbytes
         plan = Plan.from_keep(keep, true)
         self.last_plan = plan
         t3 = clock()
-        self._apply(kv, plan)
-        self._slot_vnorm = np.take_along_axis(vnorm, plan.keep, axis=2)
+        self._apply(kv, plan, vnorm)
         t4 = clock()
+        self.stats.host_bytes_peak = max(self.stats.host_bytes_peak, host)
+        self.stats.wo_cache_bytes = self._wo.nbytes if self._wo is not None else 0
         self.stats.compression_events += 1
         self.stats.compression_seconds += t4 - t0
         for name, dt in (("observe", t1 - t0), ("read", t2 - t1), ("score", t3 - t2), ("apply", t4 - t3)):
             self.stats.compression_breakdown[name] = self.stats.compression_breakdown.get(name, 0.0) + dt
 
-    def _apply(self, kv: SeqKV, plan: Plan) -> None:
+    def _apply(self, kv: SeqKV, plan: Plan, vnorm: np.ndarray) -> None:
         slot_pos = plan.slot_positions()
         k, v = [], []
         for il, rows in enumerate(plan.keep):  # rows: [Hkv, B] source cells per head
             heads = np.arange(rows.shape[0])[:, None]
             k.append(kv.k[il][rows, heads].transpose(1, 0, 2))  # [B, Hkv, d]
             v.append(kv.v[il][rows, heads].transpose(1, 0, 2))
-        write_seq(self.ctx, dataclasses.replace(kv, pos=slot_pos.astype(np.int32), k=k, v=v))
-        self._slot_pos = slot_pos.astype(np.int64)
-        self._slot_true = plan.positions  # [n_layer, Hkv, B]
-        self._note_live()
+        # the cells and the engine's record of them change together: a Ctrl-C waits for both
+        with interrupts_deferred():
+            try:
+                write_seq(self.ctx, dataclasses.replace(kv, pos=slot_pos.astype(np.int32), k=k, v=v, blob=None),
+                          previous=kv.blob)
+            except CacheLost as e:
+                self._broken = str(e)
+                raise
+            finally:
+                self._note_live()
+            self._slot_pos = slot_pos.astype(np.int64)
+            self._slot_true = plan.positions  # [n_layer, Hkv, B]
+            self._slot_vnorm = np.take_along_axis(vnorm, plan.keep, axis=2)
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block until the block ends, then raise it. Only the
+    main thread receives signals; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    if pending:
+        raise KeyboardInterrupt
 
 
 def pad_cells(n: int) -> int:

@@ -74,11 +74,12 @@ def _tokens(model, n):
 
 def _softmax_check(model: Model, layers, n_first=30, n_second=20, n_last=6):
     """Decode n_first tokens, then arm and decode n_second more; check kq_soft_max of the last n_last
-    tokens against softmax(q·Kᵀ/√d + causal mask) from the captured q and the K cache view."""
+    tokens against softmax(q·Kᵀ·scale + causal mask) from the captured q and the K cache view, with the
+    model's own attention scale (``arch.attn_scale``)."""
     cap = QueryCapture.for_model(model)
     wanted = [(f"kq_soft_max-{il}", "SOFT_MAX") for il in layers] + [(f"cache_k_l{il} (view)", "VIEW") for il in layers]
     obs = Observer(wanted)
-    ctx = Context(model, 256, cb_eval=both(cap.callback, obs.callback))
+    ctx = Context(model, 768 if model.arch.has_swa else 256, cb_eval=both(cap.callback, obs.callback))
     toks = _tokens(model, n_first + n_second)
     ctx.decode(toks[:n_first], logits="none")
     cap.arm(n_last)
@@ -86,6 +87,7 @@ def _softmax_check(model: Model, layers, n_first=30, n_second=20, n_last=6):
     queries = cap.take()
     n_tok = n_first + n_second
     d, n_head, n_head_kv = cap.head_dim, model.n_head, model.n_head_kv
+    scale = model.arch.attn_scale
     group = n_head // n_head_kv
     errors = {}
     for il in layers:
@@ -96,18 +98,18 @@ def _softmax_check(model: Model, layers, n_first=30, n_second=20, n_last=6):
         assert keys.shape[1] == n_kv >= n_tok
         probs = probs[0, :, -n_last:, :].astype(np.float64)  # [n_head, n_last, n_kv]
         keys = keys[0].astype(np.float64)  # [n_kv, n_head_kv, d]; a fresh context: cell j holds position j
-        q = queries[il].astype(np.float16).astype(np.float64)  # ggml's CPU matmul rounds q to K's f16
+        q = queries[cap.layers.index(il)].astype(np.float16).astype(np.float64)  # ggml's CPU matmul rounds q to K's f16
         assert q.shape == (n_head, n_last, d)
         qpos = np.arange(n_tok - n_last, n_tok)
         mask = np.where(np.arange(n_kv)[None, :] <= qpos[:, None], 0.0, -np.inf)  # [n_last, n_kv]
         worst = 0.0
         for h in range(n_head):
-            s = q[h] @ keys[:, h // group, :].T / np.sqrt(d) + mask
+            s = q[h] @ keys[:, h // group, :].T * scale + mask
             p = np.exp(s - s.max(axis=1, keepdims=True))
             p /= p.sum(axis=1, keepdims=True)
             worst = max(worst, float(np.abs(p - probs[h]).max()))
             # the same check with the rows in reverse order must fail: the check tells tokens apart
-            s_off = q[h][::-1] @ keys[:, h // group, :].T / np.sqrt(d) + mask
+            s_off = q[h][::-1] @ keys[:, h // group, :].T * scale + mask
             p_off = np.exp(s_off - s_off.max(axis=1, keepdims=True))
             p_off /= p_off.sum(axis=1, keepdims=True)
             assert np.abs(p_off - probs[h]).max() > 1e-2
@@ -300,3 +302,14 @@ def test_ubatches_keep_last_rows(smollm2_model):
     q = cap.take()
     for il in LAYERS:
         assert np.array_equal(q[il], _all_rows(obs, il)[-32:].transpose(1, 0, 2))
+
+
+def test_gemma3_queries_reproduce_its_full_attention_layers(gemma3):
+    """Gemma 3: only the full-attention layers are captured (the ones kvlocal compresses), head size 256
+    (key_length, not n_embd/n_head = 160), and the softmax with the model's query scale reproduces
+    llama.cpp's attention in each of them."""
+    m = Model(gemma3)
+    cap = QueryCapture.for_model(m)
+    assert cap.layers == (5, 11, 17) and cap.head_dim == 256
+    errors = _softmax_check(m, cap.layers)
+    print("gemma3 max |softmax - kq_soft_max| per layer:", errors)

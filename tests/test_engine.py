@@ -429,7 +429,9 @@ def test_chunked_prefill_stays_within_n_ctx(run, smollm2_model):
     n_ctx = eng.ctx.n_ctx
     # n_ctx is budget + chunk + window (padded by llama.cpp), not the prompt length
     assert n_ctx == eng.stats.n_ctx == padded(BUDGET + CHUNK + WINDOW) < N_PROMPT
-    assert eng.stats.kv_bytes_allocated == kv_cache_bytes(smollm2_model, n_ctx)
+    # measured: the bytes of llama.cpp's K/V buffers (patched runtime), equal to the formula for n_ctx cells
+    assert eng.stats.kv_bytes_measured
+    assert eng.stats.kv_bytes_allocated == sum(kv_cache_bytes(smollm2_model, n_ctx))
     prefill = [d for d in eng.decodes if d.phase == "prefill"]
     assert len(prefill) >= 4  # the prompt went in in pieces
     # live cells never exceed n_ctx: the engine's figure and llama.cpp's own count (probe cells included)
@@ -481,11 +483,11 @@ def test_decode_time_compression(smollm2_model, text_tokens, probe_kind):
     assert len(live) == 150 > 2 * slack
     decode_events = [e for e in eng.events if e.phase == "decode"]
     np.testing.assert_array_equal(live[:, 0], live[:, 1])  # the engine's count is llama.cpp's
-    print(f"{probe_kind} probe ({len(eng._probe)} tokens): live cells {live[:, 0].min()}..{live[:, 0].max()}, "
+    print(f"{probe_kind} probe ({len(eng.last_probe)} tokens): live cells {live[:, 0].min()}..{live[:, 0].max()}, "
           f"budget {eng.budget_cells} + slack {slack}, n_ctx {eng.ctx.n_ctx}, {len(decode_events)} decode-time events")
     peak = int(live[:, 0].max())
     assert peak <= eng.budget_cells + slack + 1, \
-        f"live cells reached {peak} > budget {eng.budget_cells} + slack {slack} + 1 (probe of {len(eng._probe)} tokens)"
+        f"live cells reached {peak} > budget {eng.budget_cells} + slack {slack} + 1 (probe of {len(eng.last_probe)} tokens)"
     assert eng.stats.compression_events - before == len(decode_events) >= 2
     assert eng.n_past == len(prompt) + len(live) == eng.ctx.pos_max() + 1
     for e in decode_events:
@@ -581,7 +583,7 @@ def test_cli_json_and_dump_plan(smollm2, smollm2_model, prompt_file, tmp_path):
         assert isinstance(out[name], kind), (name, out.get(name))
     assert out["method"] == "criticalkv" and out["budget"] == "128" and 1 <= out["generated_tokens"] <= 8
     assert out["n_ctx"] == padded(128 + 64 + WINDOW) < out["prompt_tokens"]
-    assert out["kv_bytes_allocated"] == kv_cache_bytes(smollm2_model, out["n_ctx"])
+    assert out["kv_bytes_measured"] and out["kv_bytes_allocated"] == sum(kv_cache_bytes(smollm2_model, out["n_ctx"]))
     assert out["compression_events"] >= 2 and out["compression_seconds"] > 0
     assert 128 < out["kv_cells_live_peak"] <= out["n_ctx"]
 
@@ -654,5 +656,6 @@ def test_full_cache_bytes_are_what_llama_allocates(comparison):
     ``--method full`` it is what the context did allocate."""
     full = comparison["full"]
     assert full.ctx.n_ctx == padded(full.cfg.max_tokens)
+    assert full.stats.kv_bytes_measured
     assert full.stats.kv_bytes_full == full.stats.kv_bytes_allocated, \
         f"kv_bytes_full counts {full.cfg.max_tokens} cells, llama.cpp allocated {full.ctx.n_ctx}"

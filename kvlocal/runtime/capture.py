@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from typing import Sequence
 
 import numpy as np
 
@@ -132,24 +133,27 @@ class QueryCapture:
     ``n_last`` rows over all of them, in decode order.
     """
 
-    def __init__(self, n_layer: int, n_head: int, head_dim: int):
-        self.n_layer, self.n_head, self.head_dim = int(n_layer), int(n_head), int(head_dim)
+    def __init__(self, n_layer: int, n_head: int, head_dim: int, layers: Sequence[int] | None = None):
+        self.n_head, self.head_dim = int(n_head), int(head_dim)
+        # the model layers captured (default all): take() returns one array per entry, in this order
+        self.layers = tuple(range(int(n_layer))) if layers is None else tuple(int(il) for il in layers)
+        self.n_layer = len(self.layers)
         self._g = ggml()
         self._rope = self._g.op_rope
         self._get_name = self._g.get_name
-        self._names = {f"Qcur-{il}".encode(): il for il in range(self.n_layer)}
+        self._names = {f"Qcur-{il}".encode(): i for i, il in enumerate(self.layers)}
         self._n_last = 0
         self._rows: list[np.ndarray | None] = [None] * self.n_layer  # per layer [k, n_head, head_dim]
         self._error: BaseException | None = None
         self.n_graphs = 0  # graphs (ubatches) seen while armed, counted at layer 0
+        self._interrupted = False  # a Ctrl-C caught inside the callback, raised by raise_interrupt()
 
     @classmethod
     def for_model(cls, model) -> "QueryCapture":
-        """A capture sized for a :class:`kvlocal.runtime.Model`."""
-        arch = model.meta("general.architecture")
-        key_length = model.meta(f"{arch}.attention.key_length") if arch else None
-        head_dim = int(key_length) if key_length else model.n_embd // model.n_head
-        return cls(model.n_layer, model.n_head, head_dim)
+        """A capture of a :class:`kvlocal.runtime.Model`'s full-attention layers (all layers but the
+        sliding ones of an iSWA model: the ones whose cache kvlocal compresses)."""
+        a = model.arch
+        return cls(a.n_layer, a.n_head, a.head_dim_k, layers=a.full_layers)
 
     # -- state ----------------------------------------------------------------------------------
     @property
@@ -188,6 +192,7 @@ class QueryCapture:
             if len(missing) == self.n_layer:
                 raise RuntimeError("no queries captured: arm() before decoding, and decode at least one token")
             if missing:
+                missing = [self.layers[i] for i in missing]
                 raise RuntimeError(f"no ROPE 'Qcur-N' node seen for layers {missing}: this architecture's graph names its queries differently")
             counts = {len(r) for r in self._rows}
             if len(counts) != 1:
@@ -210,28 +215,37 @@ class QueryCapture:
         return self._names.get(self._get_name(t))
 
     def callback(self, t, ask, user_data) -> bool:
-        if not t or self._n_last == 0:
-            return not ask  # disarmed: want nothing; data phase (another observer's node): go on
-        if ask:
-            return self._layer(t) is not None
         try:
+            if not t or self._n_last == 0:
+                return not ask  # disarmed: want nothing; data phase (another observer's node): go on
+            if ask:
+                return self._layer(t) is not None
             layer = self._layer(t)
             if layer is not None:
                 self._copy(t, layer)
+        except KeyboardInterrupt:  # Ctrl-C landed in this callback: ctypes would print and drop it
+            self._interrupted = True
         except BaseException as e:  # a False here would silently skip the rest of the graph split
             if self._error is None:
                 self._error = e
-        return True
+        return not ask
+
+    def raise_interrupt(self) -> None:
+        """Raise the KeyboardInterrupt that arrived while llama.cpp was calling :meth:`callback` (call it
+        after each decode: the decode ran to its end, the caller decides what to keep)."""
+        if self._interrupted:
+            self._interrupted = False
+            raise KeyboardInterrupt
 
     def _copy(self, t: int, layer: int) -> None:
         head = GgmlTensorHead.from_address(t)
         ne, nb = tuple(head.ne), tuple(head.nb)
         dtype = _DTYPES.get(head.type)
         if dtype is None:
-            raise TypeError(f"Qcur-{layer} has ggml type {head.type}, expected F32 or F16")
+            raise TypeError(f"Qcur-{self.layers[layer]} has ggml type {head.type}, expected F32 or F16")
         d, h, n_tok = ne[0], ne[1], ne[2]
         if (d, h) != (self.head_dim, self.n_head) or ne[3] != 1:
-            raise ValueError(f"Qcur-{layer} is {list(ne)}, expected [{self.head_dim}, {self.n_head}, n_tokens, 1]")
+            raise ValueError(f"Qcur-{self.layers[layer]} is {list(ne)}, expected [{self.head_dim}, {self.n_head}, n_tokens, 1]")
         k = min(self._n_last, n_tok)
         es = dtype.itemsize
         offset = (n_tok - k) * nb[2]

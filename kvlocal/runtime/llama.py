@@ -13,8 +13,9 @@ from typing import Sequence
 
 import numpy as np
 
+from ..arch import ArchInfo, arch_info, gguf_meta
 from ..errors import UsageError
-from ..gguf_file import check_gguf
+from ..gguf_file import check_gguf, read_gguf
 from .library import llama_lib, patch_functions
 
 
@@ -35,6 +36,8 @@ class Model:
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0):
         self.path = Path(path)
         check_gguf(self.path)
+        # refuse what kvlocal cannot score before llama.cpp loads anything
+        self.arch: ArchInfo = arch_info(gguf_meta(read_gguf(self.path)), self.path.name)
         global _NO_PROGRESS
         lib = llama_lib()
         if _NO_PROGRESS is None:
@@ -52,6 +55,13 @@ class Model:
         self.n_head_kv = lib.llama_model_n_head_kv(self._ptr)
         self.n_embd = lib.llama_model_n_embd(self._ptr)
         self.n_ctx_train = lib.llama_model_n_ctx_train(self._ptr)
+        if arch_info(self.meta, self.path.name) != self.arch:
+            self.close()
+            raise UsageError(f"{self.path.name}: llama.cpp reads other attention hyperparameters than the file's header says")
+        if self.arch.n_swa and lib.llama_model_n_swa(self._ptr) != self.arch.n_swa:
+            self.close()
+            raise UsageError(f"{self.path.name}: llama.cpp reads a sliding window of {lib.llama_model_n_swa(self._ptr)}, "
+                             f"the metadata says {self.arch.n_swa}: this file is not what kvlocal was checked against")
 
     def close(self) -> None:
         if getattr(self, "_ptr", None):
@@ -127,7 +137,8 @@ class Context:
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch
-        params.n_ubatch = min(n_batch, 512)
+        params.n_ubatch = min(n_batch, N_UBATCH)
+        params.swa_full = False  # as llama-cli: a sliding-window cache of n_swa + n_ubatch cells, not n_ctx
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = n_threads or default_threads()
         # AUTO turns flash attention on, which removes kq_soft_max and is slower for decode on CPU
@@ -144,14 +155,22 @@ class Context:
         if not self._ptr:
             raise UsageError(f"llama.cpp could not create a context of {n_ctx} cells: lower -c/--ctx-size or --budget")
         self.n_ctx = lib.llama_n_ctx(self._ptr)
+        self.n_ubatch = params.n_ubatch
         self.n_batch = n_batch
+        a = model.arch
+        if a.has_swa and self.n_ctx > a.n_swa:
+            # the sliding cache holds the n_swa - 1 tokens before a batch plus the batch itself, whatever
+            # the full cache holds (fewer cells once kvlocal compressed it): batches must fit that
+            swa_cells = swa_cache_cells(a, self.n_ctx, self.n_ubatch)
+            self.n_batch = min(n_batch, swa_cells - a.n_swa + 1)
         self._mem = lib.llama_get_memory(self._ptr)
         self._batch = lib.llama_batch_init(n_batch, 0, 1)
 
     def close(self) -> None:
         if getattr(self, "_ptr", None):
             lib = llama_lib()
-            lib.llama_batch_free(self._batch)
+            if getattr(self, "_batch", None) is not None:
+                lib.llama_batch_free(self._batch)
             lib.llama_free(self._ptr)
             self._ptr = None
 
@@ -209,6 +228,15 @@ class Context:
         if not llama_lib().llama_memory_seq_rm(self._mem, 0, p0, p1):
             raise RuntimeError(f"llama_memory_seq_rm({p0}, {p1}) failed")
 
+    def kv_bytes(self) -> tuple[int, int] | None:
+        """(full-attention cache, sliding-window cache) bytes llama.cpp allocated for this context's K/V
+        buffers, as its backends report them (the patched runtime's ``llama_memory_buffer_size``);
+        None on a stock runtime."""
+        fn = patch_functions()["buffer_size"]
+        if fn is None:
+            return None
+        return int(fn(self._mem, 0)), int(fn(self._mem, 1))
+
     def cells(self) -> tuple[np.ndarray, np.ndarray]:
         """(cell indices, positions) held by sequence 0, in cell order. Needs the patched runtime."""
         fn = patch_functions()["seq_cells"]
@@ -224,7 +252,24 @@ class Context:
         return cells, pos
 
 
-def kv_cache_bytes(model: Model, n_ctx: int, bytes_per_elem: float = 2.0) -> int:
-    """K+V bytes for n_ctx cells of an F16 cache: 2 · n_layer · n_ctx · n_head_kv · head_dim · 2 bytes."""
-    head_dim = model.n_embd // model.n_head
-    return int(2 * model.n_layer * n_ctx * model.n_head_kv * head_dim * bytes_per_elem)
+def swa_cache_cells(arch: ArchInfo, n_ctx: int, n_ubatch: int = 512) -> int:
+    """Cells of the sliding-window cache llama.cpp creates next to an n_ctx-cell one (swa_full off):
+    ``min(n_ctx, n_swa + n_ubatch)`` padded to 256 (src/llama-kv-cache-iswa.cpp)."""
+    return -(-min(n_ctx, arch.n_swa + n_ubatch) // 256) * 256
+
+
+def kv_cache_bytes(model: Model, n_ctx: int, n_ubatch: int = 512, bytes_per_elem: float = 2.0) -> tuple[int, int]:
+    """(full-attention, sliding-window) K+V bytes that llama.cpp allocates for a context of n_ctx cells
+    (already padded) of an F16 cache: ``n_cells · (head_dim_k + head_dim_v) · n_head_kv · bytes`` per
+    layer, the sliding layers over :func:`swa_cache_cells`. The formula that measured figures
+    (:meth:`Context.kv_bytes`) are checked against, and the estimate on a stock runtime."""
+    a = model.arch
+    row = (a.head_dim_k + a.head_dim_v) * a.n_head_kv * bytes_per_elem
+    n_full = len(a.full_layers)
+    full = int(n_full * n_ctx * row)
+    if not a.has_swa:
+        return full, 0
+    return full, int((a.n_layer - n_full) * swa_cache_cells(a, n_ctx, n_ubatch) * row)
+
+
+N_UBATCH = 512  # kvlocal's contexts: n_ubatch = min(n_batch, 512)

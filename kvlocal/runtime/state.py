@@ -35,7 +35,12 @@ Caveats:
 - set_data validates almost nothing, so :func:`write_seq` validates (unique, non-negative positions,
   shapes, cell count) before it touches the cache. A SeqKV whose cache types or V layout differ from
   the context's (read from another context) fails inside llama.cpp after the sequence was emptied.
-- Memory that is not one plain KV cache (iSWA, hybrid, recurrent) writes another layout and is refused.
+- An interleaved sliding-window memory (Gemma 3: ``llama_kv_cache_iswa``) writes its full-attention
+  cache (the layers of ``ArchInfo.full_layers``) and then its sliding-window cache in the same layout.
+  The first is parsed; the second is kept as raw bytes (:attr:`SeqKV.tail`) and written back unchanged:
+  llama.cpp bounds that cache itself. Other memories (hybrid, recurrent) are refused.
+- :func:`write_seq` is all or nothing: when llama.cpp refuses the new cells, the previous ones are
+  loaded back and the error says so; if even that fails, :class:`CacheLost` is raised.
 """
 
 from __future__ import annotations
@@ -98,6 +103,8 @@ class SeqKV:
     v_type: int  # ggml type of the V cache
     ext: np.ndarray | None = None  # [n, 3] int32 (x, y, token) for caches that keep cell ext (M-RoPE, PLE)
     seq_id: int = SEQ_ID  # seq id written in the header (llama.cpp ignores it on load)
+    tail: np.ndarray | None = None  # raw bytes after the cache (an iSWA memory's sliding-window cache)
+    blob: np.ndarray | None = None  # the blob a fresh read parsed (its arrays are views into it), else None
 
     @property
     def n(self) -> int:
@@ -111,7 +118,7 @@ class SeqKV:
         return SeqKV(
             pos=self.pos.copy(), k=[a.copy() for a in self.k], v=[a.copy() for a in self.v], v_trans=self.v_trans,
             k_type=self.k_type, v_type=self.v_type, ext=None if self.ext is None else self.ext.copy(),
-            seq_id=self.seq_id,
+            seq_id=self.seq_id, tail=None if self.tail is None else self.tail.copy(),
         )
 
     def select(self, cells) -> "SeqKV":
@@ -120,7 +127,7 @@ class SeqKV:
         return SeqKV(
             pos=self.pos[idx].copy(), k=[a[idx] for a in self.k], v=[a[idx] for a in self.v], v_trans=self.v_trans,
             k_type=self.k_type, v_type=self.v_type, ext=None if self.ext is None else self.ext[idx].copy(),
-            seq_id=self.seq_id,
+            seq_id=self.seq_id, tail=None if self.tail is None else self.tail.copy(),
         )
 
 
@@ -224,18 +231,31 @@ def _rows_to_array(raw: np.ndarray, t: int, n: int, n_head_kv: int) -> np.ndarra
     return vals.reshape(n, n_head_kv, -1)
 
 
-def parse_blob(buf: np.ndarray, n_layer: int, n_head_kv: int) -> SeqKV:
+def parse_blob(buf: np.ndarray, n_layer: int, n_head_kv: int, swa: bool = False) -> SeqKV:
     """Parse a sequence-state blob (see the module docstring) into a :class:`SeqKV`.
 
-    n_layer and n_head_kv are the model's (they split a row into heads and check the layer count).
+    n_layer and n_head_kv are the cache's (they split a row into heads and check the layer count: for
+    an iSWA memory, the full-attention layers only). ``swa``: the memory is iSWA, so the bytes after
+    the first cache are its sliding-window cache (kept raw in :attr:`SeqKV.tail`).
     """
     try:
-        return _parse(buf, n_layer, n_head_kv)
+        return _parse(buf, n_layer, n_head_kv, swa)
     except _Malformed as e:
         raise RuntimeError(f"unexpected sequence-state blob from llama.cpp: {e}") from None
 
 
-def _parse(buf: np.ndarray, n_layer: int, n_head_kv: int) -> SeqKV:
+def _swa_tail(buf: np.ndarray, off: int, swa: bool) -> np.ndarray | None:
+    """The bytes after the first cache: an iSWA memory's second cache, else nothing may follow."""
+    if not swa:
+        if off != buf.size:  # e.g. an iSWA cache read as a plain one
+            raise _not_plain_cache()
+        return None
+    if off + 4 > buf.size or int(buf[off:off + 4].view("<u4")[0]) != 1:
+        raise _Malformed("no sliding-window cache with one stream after the full-attention cache")
+    return buf[off:]
+
+
+def _parse(buf: np.ndarray, n_layer: int, n_head_kv: int, swa: bool = False) -> SeqKV:
     r = _Reader(buf)
     magic = r.scalar("<u4")
     if magic != SEQ_STATE_MAGIC:
@@ -248,9 +268,8 @@ def _parse(buf: np.ndarray, n_layer: int, n_head_kv: int) -> SeqKV:
         raise _not_plain_cache()
     n = r.scalar("<u4")
     if n == 0:
-        if r.off != buf.size:
-            raise _not_plain_cache()
-        return SeqKV(pos=np.zeros(0, np.int32), k=[], v=[], v_trans=False, k_type=-1, v_type=-1, seq_id=seq_id)
+        return SeqKV(pos=np.zeros(0, np.int32), k=[], v=[], v_trans=False, k_type=-1, v_type=-1, seq_id=seq_id,
+                     tail=_swa_tail(buf, r.off, swa))
 
     # cell meta: fixed stride, with or without the 12-byte ext; pick the one that parses consistently
     meta = None
@@ -306,21 +325,26 @@ def _parse(buf: np.ndarray, n_layer: int, n_head_kv: int) -> SeqKV:
             raw = r.array(np.uint8, n * n_embd_v * el)
             vt = _rows_to_array(raw, t, n_embd_v, 1).reshape(n_embd_v, n)  # [element, cell]
             v_list.append(np.ascontiguousarray(vt.T).reshape(n, n_head_kv, n_embd_v // n_head_kv))
-    if r.off != buf.size:  # e.g. an iSWA cache writes its second cache after the first
-        raise _not_plain_cache()
+    tail = _swa_tail(buf, r.off, swa)
     if len(k_types) != 1 or len(v_types) != 1:
         raise _Malformed("cache types differ between layers")
     return SeqKV(
-        pos=pos, k=k_list, v=v_list, v_trans=v_trans, k_type=k_types.pop(), v_type=v_types.pop(), ext=ext, seq_id=seq_id
+        pos=pos, k=k_list, v=v_list, v_trans=v_trans, k_type=k_types.pop(), v_type=v_types.pop(), ext=ext, seq_id=seq_id,
+        tail=tail,
     )
 
 
 def read_seq(ctx) -> SeqKV:
     """K, V and positions of every cell of sequence 0 of a :class:`~kvlocal.runtime.Context`.
 
-    Raises UsageError for a quantized KV cache or a memory that is not one plain KV cache.
+    For an iSWA memory (Gemma 3) the arrays hold the full-attention layers (``arch.full_layers``, in that
+    order) and ``tail`` the sliding-window cache. Raises UsageError for a quantized KV cache or a memory
+    that is neither a KV cache nor an iSWA one.
     """
-    kv = parse_blob(get_blob(ctx), ctx.model.n_layer, ctx.model.n_head_kv)
+    arch = ctx.model.arch
+    blob = get_blob(ctx)
+    kv = parse_blob(blob, len(arch.full_layers), arch.n_head_kv, swa=arch.has_swa)
+    kv.blob = blob
     if kv.n:
         _GEOMETRY[ctx] = _Geometry(*_layout(kv))
     return kv
@@ -349,7 +373,9 @@ def _validate(ctx, kv: SeqKV) -> np.ndarray:
             raise ValueError(f"duplicate positions: {np.unique(dup)[:10].tolist()} (every cell needs its own position)")
     if n == 0:
         return pos.astype(np.int32)
-    n_layer, n_head_kv = ctx.model.n_layer, ctx.model.n_head_kv
+    n_layer, n_head_kv = len(ctx.model.arch.full_layers), ctx.model.arch.n_head_kv
+    if ctx.model.arch.has_swa and kv.tail is None:
+        raise ValueError("this context's memory has a sliding-window cache: kv.tail must hold it (from read_seq)")
     if len(kv.k) != n_layer or len(kv.v) != n_layer:
         raise ValueError(f"k and v need one array per layer ({n_layer}), got {len(kv.k)} and {len(kv.v)}")
     for name, arrays, t in (("k", kv.k, kv.k_type), ("v", kv.v, kv.v_type)):
@@ -419,7 +445,7 @@ def build_blob(kv: SeqKV, pos: np.ndarray | None = None) -> np.ndarray:
     put("<u4", 1)
     put("<u4", n)
     if n == 0:
-        return buf[:off]
+        return buf[:off] if kv.tail is None else np.concatenate([buf[:off], kv.tail])
     meta = buf[off : off + n * meta_dt.itemsize].view(meta_dt)
     meta["pos"] = pos
     meta["n_seq"] = 1
@@ -451,7 +477,7 @@ def build_blob(kv: SeqKV, pos: np.ndarray | None = None) -> np.ndarray:
                 dst[:] = np.reshape(a, (n, n_embd_v)).T
         off += n * row
     assert off == size, (off, size)
-    return buf
+    return buf if kv.tail is None else np.concatenate([buf, kv.tail])
 
 
 def set_blob(ctx, buf: np.ndarray) -> None:
@@ -463,8 +489,13 @@ def set_blob(ctx, buf: np.ndarray) -> None:
     if n != buf.size:
         raise RuntimeError(
             f"llama_state_seq_set_data refused the rewritten cache ({n} of {buf.size} bytes read; llama.cpp logged "
-            "the reason, e.g. a K/V type or layout that differs from this context's): sequence 0 is now empty"
+            "the reason, e.g. a K/V type or layout that differs from this context's)"
         )
+
+
+class CacheLost(RuntimeError):
+    """A rewrite failed and the previous cells could not be loaded back: the sequence is empty and the
+    context must not be decoded in again (the engine marks itself unusable)."""
 
 
 def clear_seq(ctx) -> None:
@@ -478,16 +509,32 @@ def clear_seq(ctx) -> None:
         lib.llama_memory_clear(ctx._mem, False)  # nothing is left; only resets the head (no data cleared)
 
 
-def write_seq(ctx, kv: SeqKV) -> None:
+def write_seq(ctx, kv: SeqKV, previous: np.ndarray | None = None) -> None:
     """Replace sequence 0 with exactly the cells of kv, loaded into cells 0..n-1 in kv's cell order.
 
     Validates first (raises ValueError, cache untouched): at most ctx.n_ctx cells, non-negative unique
     positions, one [n, n_head_kv, head_dim] array per layer for k and v, and — when this context was read
     before — the same cache types and V layout. Arrays of another float dtype are converted to the cache
     type (float32 → F16 rounds). The next decoded token must go at ``max(pos) + 1``.
+
+    All or nothing: ``previous`` is the blob of the cells held now (taken here when not given); if
+    llama.cpp refuses the new cells — or the write is interrupted — it is loaded back and the error is
+    raised again; if that fails too, :class:`CacheLost`.
     """
     pos = _validate(ctx, kv)
-    buf = build_blob(kv, pos) if pos.size else None
+    buf = build_blob(kv, pos) if pos.size or kv.tail is not None else None
+    if previous is None:
+        previous = get_blob(ctx)
     clear_seq(ctx)
-    if buf is not None:
-        set_blob(ctx, buf)
+    try:
+        if buf is not None:
+            set_blob(ctx, buf)
+    except BaseException as e:
+        try:
+            clear_seq(ctx)
+            set_blob(ctx, previous)
+        except Exception as again:
+            raise CacheLost(f"{e}; restoring the previous cells failed too ({again}): the cache is empty") from e
+        if isinstance(e, RuntimeError):
+            raise RuntimeError(f"{e}; the previous cells were loaded back") from e
+        raise
