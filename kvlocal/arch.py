@@ -13,8 +13,9 @@ what kvlocal's scorers and KV backend assume.
 
 Attention scale, as llama.cpp's graphs use it (src/models/<arch>.cpp of the pinned llama.cpp):
 
-- llama: ``{arch}.attention.scale`` when the file has it, else ``1/√head_dim_k``;
-- qwen2, qwen3: ``1/√head_dim_k``;
+- llama, qwen2, qwen3: ``1/√head_dim_k`` (llama.cpp's llama graph would honour ``f_attention_scale``,
+  but its llama loader never reads ``llama.attention.scale``: a file that has it is still computed with
+  ``1/√head_dim_k``, measured in tests/test_engine_archs.py);
 - gemma3: the query is multiplied by ``f_attention_scale`` after RoPE (``1/√head_dim_k``; the 27B
   model, 62 layers, uses ``1/√(n_embd/n_head)``) and attention then uses a scale of 1.
 
@@ -93,8 +94,6 @@ def arch_info(meta: Callable[[str], str | None], name: str = "the model") -> Arc
     head_v = _int(meta, f"{arch}.attention.value_length", head_k)
     if arch == "gemma3":
         scale = 1 / math.sqrt(n_embd / n_head if n_layer == 62 else head_k)
-    elif arch == "llama" and meta(f"{arch}.attention.scale") not in (None, "0", "0.0", "0.000000"):
-        scale = float(meta(f"{arch}.attention.scale"))
     else:
         scale = 1 / math.sqrt(head_k)
     n_swa = _int(meta, f"{arch}.attention.sliding_window", 0) if arch == "gemma3" else 0

@@ -374,11 +374,14 @@ class Engine:
             raise
 
     def _decode(self, tokens, positions, logits) -> np.ndarray:
-        """``ctx.decode``, then a Ctrl-C that arrived while llama.cpp ran our eval callback (where ctypes
-        would swallow it) is raised here (inside :meth:`_rollback`)."""
-        out = self.ctx.decode(tokens, positions, logits)
-        self.capture.raise_interrupt()
-        return out
+        """``ctx.decode`` under Ctrl-C control: a SIGINT while llama.cpp computes (and calls our eval
+        callback, where a KeyboardInterrupt would be swallowed by ctypes) stops the graph at its next
+        node and is raised when llama.cpp returns (inside :meth:`_rollback`, which drops the cells)."""
+        try:
+            with interrupts_deferred(self.capture.request_stop):
+                return self.ctx.decode(tokens, positions, logits)
+        finally:
+            self.capture.clear_stop()
 
     def _note_live(self) -> None:
         self.stats.kv_cells_live = int(llama_live(self.ctx))
@@ -516,16 +519,27 @@ class Engine:
 
 
 @contextlib.contextmanager
-def interrupts_deferred():
-    """Hold a Ctrl-C (SIGINT) that arrives inside the block until the block ends, then raise it. Only the
-    main thread receives signals; elsewhere this does nothing."""
+def interrupts_deferred(on_signal=None):
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block until the block ends, then raise
+    KeyboardInterrupt (in place of any error the block raised: the interrupted work is discarded).
+    ``on_signal()`` runs when the signal arrives (e.g. to stop a computation early). Only the main
+    thread receives signals; elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     pending = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+
+    def handler(signum, frame):
+        pending.append(signum)
+        if on_signal is not None:
+            on_signal()
+
+    previous = signal.signal(signal.SIGINT, handler)
     try:
         yield
+    except BaseException:
+        if not pending:
+            raise
     finally:
         signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
     if pending:

@@ -33,8 +33,8 @@ test_scorer_reads_the_reference_arrays checks the choice's inputs: at one event,
 scorer read (at their true positions, per KV head) and the probe's queries (with the model's attention
 scale) are the reference's, and the engine's scorer given the reference's arrays keeps the same rows.
 
-A tiny llama file with ``llama.attention.scale`` shows that kvlocal.arch takes that key while the pinned
-llama.cpp ignores it for ``llama`` (test_arch_attention_scale_is_llama_cpp_s, a strict xfail until fixed).
+A tiny llama file with ``llama.attention.scale`` shows that the pinned llama.cpp ignores that key for
+``llama`` and that kvlocal.arch (the reference, the engine's scorers) follows llama.cpp.
 
 Sizes are tiny (n_embd 128, 4-6 layers, vocabulary 320, F32 weights): the file runs in well under a
 minute of CPU. Note that llama.cpp pads n_ctx to 256 cells, so with BUDGET = 64 a chunk fills the
@@ -531,9 +531,6 @@ def test_llama_cpp_ignores_llama_attention_scale(scaled_llama):
     assert s["default"]["mean_kl"] < 1e-6 and s["default"]["top1_agreement"] == 1.0, s["default"]
 
 
-@pytest.mark.xfail(strict=True, reason="kvlocal.arch.arch_info takes llama.attention.scale from the file, but "
-                   "llama.cpp's llama graph ignores it (1/sqrt(head_dim)): the reference (kvlocal verify) and the "
-                   "engine's scorers (Engine._q_scale) then use a scale llama.cpp does not")
 def test_arch_attention_scale_is_llama_cpp_s(scaled_llama):
     s = scaled_llama
     assert s["model"].arch.attn_scale == pytest.approx(1 / np.sqrt(s["model"].arch.head_dim_k))

@@ -230,6 +230,30 @@ def test_lost_cache_stops_the_engine(smollm2_model, prose, monkeypatch):
         next(eng.generate(1))
 
 
+def test_decode_time_events_are_scored_by_the_question_and_the_reply(smollm2_model, prose):
+    """Decode-time events score the cache with the question's last half-window followed by the reply's
+    last half-window (docs/engine.md), so a long reply is judged by what it says now too."""
+    m = smollm2_model
+
+    class Recording(Engine):
+        def _compress(self, probe, observed=None):
+            self.seen.append((list(probe), list(self._reply)))
+            super()._compress(probe, observed)
+
+    eng = Recording(m, 96, max_tokens=1200, chunk=64, window=16, n_threads=THREADS)
+    eng.seen = []
+    q = m.tokenize("\n\nWho wrote this text, and what is it about? Answer at length.\n", add_special=False)
+    eng.prefill(m.tokenize(prose)[:300] + q, probe=q)
+    n_prefill = len(eng.seen)
+    reply = list(eng.generate(400, stop_at_eog=False))
+    decode_events = eng.seen[n_prefill:]
+    assert n_prefill >= 1 and len(decode_events) >= 2 and len(reply) == 400
+    assert all(probe == q[-16:] for probe, _ in eng.seen[:n_prefill])
+    for probe, reply_then in decode_events:
+        assert len(reply_then) >= 8 and probe == q[-8:] + reply_then[-8:]
+    assert eng.last_probe == decode_events[-1][0]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"window": 0}, "window must be a whole number >= 1"),
     ({"chunk": 0}, "chunk must be a whole number >= 1"),
@@ -256,7 +280,7 @@ def test_empty_prompt_and_generate_before_prefill_are_errors(smollm2_model):
     assert eng.n_past == 0 and eng.stats.kv_cells_live == 0
 
 
-@pytest.mark.parametrize("delay", [0.3, 0.9, 1.7, 2.6])
+@pytest.mark.parametrize("delay", [0.5, 4, 8, 12])
 def test_ctrl_c_is_a_clean_stop(smollm2_model, prose, delay):
     """A real SIGINT (as Ctrl-C sends) at some point of a prefill with compression — inside llama.cpp,
     inside the query-capture callback, or in Python — stops it with KeyboardInterrupt and leaves the
@@ -264,7 +288,7 @@ def test_ctrl_c_is_a_clean_stop(smollm2_model, prose, delay):
     prefill continues from there."""
     m = smollm2_model
     toks = m.tokenize(prose)[:1500]
-    eng = Engine(m, 128, max_tokens=4000, chunk=64, n_threads=1)
+    eng = Engine(m, 128, max_tokens=4000, chunk=64, n_threads=THREADS)
     timer = threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGINT))
     t0 = time.perf_counter()
     timer.start()

@@ -146,7 +146,7 @@ class QueryCapture:
         self._rows: list[np.ndarray | None] = [None] * self.n_layer  # per layer [k, n_head, head_dim]
         self._error: BaseException | None = None
         self.n_graphs = 0  # graphs (ubatches) seen while armed, counted at layer 0
-        self._interrupted = False  # a Ctrl-C caught inside the callback, raised by raise_interrupt()
+        self.stop_requested = False  # request_stop(): every graph stops at its next node
 
     @classmethod
     def for_model(cls, model) -> "QueryCapture":
@@ -215,27 +215,28 @@ class QueryCapture:
         return self._names.get(self._get_name(t))
 
     def callback(self, t, ask, user_data) -> bool:
+        if self.stop_requested:  # ask for the next node, then answer False: the graph split stops there
+            return ask
+        if not t or self._n_last == 0:
+            return not ask  # disarmed: want nothing; data phase (another observer's node): go on
+        if ask:
+            return self._layer(t) is not None
         try:
-            if not t or self._n_last == 0:
-                return not ask  # disarmed: want nothing; data phase (another observer's node): go on
-            if ask:
-                return self._layer(t) is not None
             layer = self._layer(t)
             if layer is not None:
                 self._copy(t, layer)
-        except KeyboardInterrupt:  # Ctrl-C landed in this callback: ctypes would print and drop it
-            self._interrupted = True
         except BaseException as e:  # a False here would silently skip the rest of the graph split
             if self._error is None:
                 self._error = e
-        return not ask
+        return True
 
-    def raise_interrupt(self) -> None:
-        """Raise the KeyboardInterrupt that arrived while llama.cpp was calling :meth:`callback` (call it
-        after each decode: the decode ran to its end, the caller decides what to keep)."""
-        if self._interrupted:
-            self._interrupted = False
-            raise KeyboardInterrupt
+    def request_stop(self) -> None:
+        """Make the graph being computed stop at its next node (its results are garbage: the caller
+        discards them, e.g. on Ctrl-C). Cleared by :meth:`clear_stop`."""
+        self.stop_requested = True
+
+    def clear_stop(self) -> None:
+        self.stop_requested = False
 
     def _copy(self, t: int, layer: int) -> None:
         head = GgmlTensorHead.from_address(t)
