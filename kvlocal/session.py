@@ -56,6 +56,8 @@ class ChatSession:
     def status(self) -> str:
         s = self.engine.stats
         return (f"[kv: {s.kv_cells_live:,} cells live / {self.engine.n_past:,} tokens seen · "
-                f"KV {s.kv_bytes_allocated / 2**20:.1f} MiB allocated vs {s.kv_bytes_full / 2**20:.1f} MiB for a full "
+                f"KV {s.kv_bytes_allocated / 2**20:.1f} MiB allocated"
+                + (f" (sliding window {s.kv_bytes_swa / 2**20:.1f})" if s.kv_bytes_swa else "")
+                + f" vs {s.kv_bytes_full / 2**20:.1f} MiB for a full "
                 f"{self.engine.cfg.max_tokens:,}-token cache · "
                 f"{s.compression_events} compressions]")

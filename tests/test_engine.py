@@ -12,7 +12,7 @@ falls inside it) and their next-token distributions are compared by KL and top-1
 
 The tolerance comes from a control measured in the same test: llama.cpp and the reference on the FULL
 cache (no compression), same tokens. llama.cpp computes with Q8-rounded activations and an F16 cache,
-the reference in float32, and on a Q4 model float order alone moves logits (ARCHITECTURE.md: up to ~0.9
+the reference in float32, and on a Q4 model float order alone moves logits (measured: up to ~0.9
 for the same cache in another cell order), so "the same" means "as close as the full-cache control",
 not bit-identical. Two negative controls show that the comparison can fail: the reference with other
 plans (the same number of kept positions per head, the sinks and the recent window kept as the engine

@@ -15,7 +15,7 @@ A slot row carries:
   slot, ``-inf`` for an empty row.
 
 Mean values with a ``log(count)`` bias are the same thing as AsymKV's summed values with
-count-weighted softmax (ALGORITHMS.md §4.2): ``exp(s + log l) · v̄ = l·exp(s) · v_sum / l``.
+count-weighted softmax (docs/algorithms.md): ``exp(s + log l) · v̄ = l·exp(s) · v_sum / l``.
 A full, uncompressed cache is the special case ``count == 1``, ``bias == 0`` everywhere.
 """
 

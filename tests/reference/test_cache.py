@@ -40,7 +40,7 @@ def test_merged_identical_pair_is_lossless():
 
 
 def test_log_count_bias_equals_asymkv_count_weighted_softmax():
-    """softmax(s + log l) · v_mean == sum_j exp(s_j) v_sum_j / sum_i l_i exp(s_i) (ALGORITHMS.md §4.2)."""
+    """softmax(s + log l) · v_mean == sum_j exp(s_j) v_sum_j / sum_i l_i exp(s_i) (docs/algorithms.md)."""
     torch.manual_seed(1)
     s, d = 5, 4
     k, v = torch.randn(1, s, d), torch.randn(1, s, d)

@@ -35,7 +35,7 @@ def adakv_budgets(scores: torch.Tensor, budget: int, pos: torch.Tensor, alpha: f
                   mode: str = "floor") -> torch.Tensor:
     """Per-head budgets ``[Hkv]`` summing to ``Hkv * budget`` (``budget`` clipped to S).
 
-    ``mode="floor"`` (original AdaKV, ALGORITHMS.md §2.2): ``c_h`` = the count of head ``h`` among the
+    ``mode="floor"`` (original AdaKV, docs/algorithms.md): ``c_h`` = the count of head ``h`` among the
     flattened top-``Hkv*B``; every head gets the floor ``int(alpha*B)`` and the remaining
     ``Hkv*(B - floor)`` slots are shared in proportion to ``c_h``, rounded by largest remainder. That is
     the original ``round((1-alpha)*c_h + int(alpha*B))`` whenever ``alpha*B`` is an integer, except that

@@ -31,7 +31,7 @@ def projected_value_norms(v: torch.Tensor, wo: torch.Tensor, n_head: int) -> tor
 
 def two_stage(scores: torch.Tensor, vnorm: torch.Tensor, budgets: torch.Tensor, pos: torch.Tensor,
               first_stage_ratio: float = 0.5, epsilon: float = 1e-4) -> torch.Tensor:
-    """Ranking whose per-head top ``budgets[h]`` is CriticalKV's kept set (ALGORITHMS.md §3.2).
+    """Ranking whose per-head top ``budgets[h]`` is CriticalKV's kept set (docs/algorithms.md).
 
     Stage 1 keeps the top ``int(first_stage_ratio * b)`` rows by the attention score ``A`` alone; stage
     2 fills the rest of ``b`` by ``(A + epsilon) * vnorm``. Returned as the kvpress trick: the critical

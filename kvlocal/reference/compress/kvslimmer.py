@@ -40,7 +40,7 @@ def slot_attention(kv: LayerKV, q: torch.Tensor, q_pos: torch.Tensor) -> tuple[t
 
 def hessian_norms(a1: torch.Tensor, a2: torch.Tensor, v1: torch.Tensor, v2: torch.Tensor,
                   o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """KVSlimmer's ``ĥ11, ĥ22, ĥ12`` (paper form, L2 norms; ALGORITHMS.md §5.2).
+    """KVSlimmer's ``ĥ11, ĥ22, ĥ12`` (paper form, L2 norms; docs/algorithms.md).
 
     a1, a2: [...] attention of the two slots; v1, v2: [..., d] their (mean) values; o: [..., d] output.
     ``ĥ11 = ||a1(1-2a1)(v1-o)||``, ``ĥ22 = ||a2(1-2a2)(v2-o)||``, ``ĥ12 = ||a1 a2 (v1+v2-2o)||``: the norms of
@@ -126,7 +126,7 @@ class KVSlimmer:
     """Merge adjacent key pairs of low attention; closed-form key weights from forward quantities only.
 
     Based on https://arxiv.org/abs/2603.00907 (KVSlimmer; built on AsymKV, https://arxiv.org/abs/2506.05410).
-    Implements the paper's formula with L2 norms (ALGORITHMS.md §5.2/§5.7), not the released code's
+    Implements the paper's formula with L2 norms (docs/algorithms.md), not the released code's
     smoothed L1 proxy. Per KV head: ``alpha`` and ``o`` from the observation queries (:func:`slot_attention`);
     candidate rows are the live, unprotected rows (not the first ``n_sink`` positions, not at or after
     the first observation query) in position order; the non-overlapping adjacent pairs with the smallest
