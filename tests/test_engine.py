@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
+from replay import replay
 from kvlocal.compress import CriticalKV, LayerInputs, Plan, SnapKV, projected_value_norms
 from kvlocal.engine import AGNOSTIC_PROBE, Budget, Engine
 from kvlocal.errors import UsageError
@@ -165,52 +166,6 @@ def cells(eng: Engine) -> np.ndarray:
 
 
 # -- the reference replay ----------------------------------------------------------------------------
-
-
-def keep_positions(cache, kept_for) -> None:
-    """Keep, in every layer and KV head of a reference cache, the rows whose source positions
-    ``kept_for(il, h, held)`` returns (``held``: the positions the head holds now). Every kept position
-    must be held: a plan that names a token the engine's cache no longer holds is a bookkeeping bug."""
-    import torch
-
-    from kvlocal.reference.compress import gather_rows
-
-    for il, layer in enumerate(cache.layers):
-        rows = []
-        for h in range(layer.pos.shape[0]):
-            held = layer.pos[h].numpy()
-            index = {int(p): i for i, p in enumerate(held) if p >= 0}
-            want = [int(p) for p in kept_for(il, h, held)]
-            missing = [p for p in want if p not in index]
-            assert not missing, f"layer {il} head {h}: the plan keeps positions {missing[:8]} the cache no longer holds"
-            rows.append(torch.tensor([index[p] for p in want], dtype=torch.int64))
-        gather_rows(layer, rows)
-
-
-def replay(ref, tokens: list[int], n_prompt: int, events: list, before_event=None) -> np.ndarray:
-    """Decode ``tokens`` with the reference, compressing its cache at the engine's points.
-
-    events: ``(n_past, kept_for)`` in the engine's order; ``kept_for(il, h, held)`` gives the positions to
-    keep when the cache holds the positions ``< n_past``. The tokens between two events go through the
-    reference in one forward pass (causal attention makes that the same as one at a time).
-    ``before_event(i, cache)`` is called before event ``i`` is applied. Returns the logits after the
-    prompt and after every later token: ``[len(tokens) - n_prompt + 1, V]``.
-    """
-    import torch
-
-    cache = ref.new_cache()
-    cuts = sorted({n for n, _ in events if 0 < n < len(tokens)} | {n_prompt, len(tokens)})
-    out, a = [], 0
-    for b in cuts:
-        for i, (n, kept_for) in enumerate(events):
-            if n == a:
-                if before_event is not None:
-                    before_event(i, cache)
-                keep_positions(cache, kept_for)
-        logits = ref(torch.tensor(tokens[a:b]), torch.arange(a, b), cache)  # [b - a, V]
-        out.append(logits[max(0, n_prompt - 1 - a):].numpy())
-        a = b
-    return np.concatenate(out)
 
 
 def plan_keeper(plan: Plan):
