@@ -267,6 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(p)
     p.set_defaults(func=cmd_bench)
 
+    p = sub.add_parser("eval", help="quality vs KV budget: methods x budgets x tasks x models, a results file and plots")
+    from . import eval as evaluation
+
+    evaluation.add_arguments(p)
+    p.set_defaults(func=evaluation.run)
+
     p = sub.add_parser("verify", help="compare llama.cpp's logits with the PyTorch reference")
     try:
         from . import verify

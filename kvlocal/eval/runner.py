@@ -1,0 +1,205 @@
+"""Methods × budgets × observation modes × tasks × models → one JSON record per run.
+
+A *run* (:class:`Spec`) is one method at one budget and observation mode on every item of one task, for
+one model, context length and seed; its record holds the mean score, each item's reply and score, the
+KV bytes llama.cpp allocated, timing, the exact command, the model's sha256 and the seed. Records are
+appended to ``results.jsonl`` as they finish; a run whose key is already there is skipped, so rerunning
+the same command continues where a stopped one left off.
+
+Every task also runs on the full F16 cache (``full``, the reference of compression loss and of the
+continuation metrics). ``full-q8_0`` and ``full-q4_0`` are the full cache with a quantized K cache
+(llama.cpp's ``-ctk``): the memory baselines eviction must beat at equal KV bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from ..engine import Engine
+from ..models import cache_dir, sha256_file
+from ..runtime import Model
+from ..verify import compare_logits
+from .tasks import Item, Prose, make_items, score
+
+# full cache with a quantized K cache: ggml type of K (V stays F16: the Engine passes only type_k, and a
+# quantized V cache needs flash attention in llama.cpp)
+KV_BASELINES = {"full-q8_0": 8, "full-q4_0": 2}
+EVICTION = ("streaming", "snapkv", "criticalkv")
+QUERY_FREE = ("streaming",)  # methods that never look at the probe: one observation mode, "-"
+OBSERVATIONS = ("question", "agnostic")
+N_FORCED = 64  # continuation: tokens of real text forced after the prompt
+
+
+@dataclass(frozen=True)
+class Spec:
+    model: str  # as given on the command line (a known name or a path)
+    task: str
+    method: str
+    budget: float  # ratio of the tokens seen; 1 for the full caches
+    observation: str  # question, agnostic, or "-" where the method ignores the probe
+    seed: int
+    n_tokens: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}|{self.task}|{self.method}|{self.budget:g}|{self.observation}|{self.seed}|{self.n_tokens}"
+
+
+def plan(models, tasks, methods, budgets, observations, seed: int, n_tokens: int) -> list[Spec]:
+    """Every run, the full-cache reference first for each model and task."""
+    specs = []
+    for model in models:
+        for task in tasks:
+            specs.append(Spec(model, task, "full", 1.0, "-", seed, n_tokens))
+            specs += [Spec(model, task, m, 1.0, "-", seed, n_tokens) for m in methods if m in KV_BASELINES]
+            for budget in budgets:
+                for m in (m for m in methods if m in EVICTION):
+                    for obs in ("-",) if m in QUERY_FREE else observations:
+                        specs.append(Spec(model, task, m, float(budget), obs, seed, n_tokens))
+    return specs
+
+
+def done_keys(path: Path) -> set[str]:
+    """Keys of the records already in a results file (a torn last line, from a killed run, is ignored)."""
+    keys = set()
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                keys.add(json.loads(line)["key"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                pass
+    return keys
+
+
+def model_sha256(path: Path) -> str:
+    """sha256 of a model file, cached by path, size and mtime in the kvlocal cache (hashing 500 MB
+    takes seconds)."""
+    index = cache_dir() / "sha256.json"
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, json.JSONDecodeError):
+        known = {}
+    st = path.stat()
+    tag = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    if tag not in known:
+        known[tag] = sha256_file(path)
+        index.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index.with_suffix(".tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        os.replace(tmp, index)
+    return known[tag]
+
+
+class Runner:
+    """Runs specs for one model file; keeps the full cache's continuation logits for the other methods."""
+
+    def __init__(self, name: str, path: Path, n_threads: int | None):
+        self.name, self.path, self.n_threads = name, path, n_threads
+        self.model = Model(path)
+        self.sha256 = model_sha256(path)
+        self.prose = Prose(lambda s: len(self.model.tokenize(s, add_special=False)))
+        self._items: dict[tuple, list[Item]] = {}
+        self._reference: dict[tuple, np.ndarray] = {}
+
+    def items(self, spec: Spec, n_items: int | None) -> list[Item]:
+        k = (spec.task, spec.seed, spec.n_tokens)
+        if k not in self._items:
+            self._items[k] = make_items(spec.task, self.prose, spec.n_tokens, spec.seed)[:n_items]
+        return self._items[k]
+
+    def engine(self, spec: Spec, max_tokens: int) -> Engine:
+        method = "full" if spec.method in KV_BASELINES else spec.method
+        return Engine(self.model, "1" if method == "full" else spec.budget, method, max_tokens=max_tokens,
+                      n_threads=self.n_threads, type_k=KV_BASELINES.get(spec.method))
+
+    def run(self, spec: Spec, n_items: int | None = None) -> dict:
+        """One spec over its task's items -> the record (without the command)."""
+        t0 = time.perf_counter()
+        results, stats = [], []
+        for i, item in enumerate(self.items(spec, n_items)):
+            r, s = self._run_item(spec, i, item)
+            results.append(r)
+            stats.append(s)
+        rec = {"key": spec.key, **asdict(spec), "model_file": self.path.name, "model_sha256": self.sha256,
+               "score": float(np.mean([r["score"] for r in results])),
+               "prompt_tokens": int(np.mean([s["prompt_tokens"] for s in stats])),
+               "kv_bytes_allocated": max(s["kv_bytes_allocated"] for s in stats),
+               "kv_bytes_full": max(s["kv_bytes_full"] for s in stats),
+               "kv_bytes_measured": all(s["kv_bytes_measured"] for s in stats),
+               "budget_cells": max(s["budget_cells"] for s in stats),
+               "n_ctx": max(s["n_ctx"] for s in stats),
+               "compression_events": sum(s["compression_events"] for s in stats),
+               "prefill_seconds": sum(s["prefill_seconds"] for s in stats),
+               "compression_seconds": sum(s["compression_seconds"] for s in stats),
+               "seconds": time.perf_counter() - t0, "items": results}
+        if spec.task == "continuation":
+            rec["mean_kl"] = float(np.mean([r["mean_kl"] for r in results]))
+        return rec
+
+    def _run_item(self, spec: Spec, index: int, item: Item) -> tuple[dict, dict]:
+        m = self.model
+        tokens = m.tokenize(item.prompt)
+        # question-aware: the question's tokens, or (continuation) the prompt's own end, as `kvlocal run`
+        probe = (None if spec.observation == "agnostic"
+                 else m.tokenize(item.question, add_special=False) if item.question else tokens[-32:])
+        if item.kind == "continuation":
+            forced = m.tokenize(item.forced, add_special=False)[:N_FORCED]
+            eng = self.engine(spec, len(tokens) + len(forced))
+            logits = self._forced_logits(eng, tokens, probe, forced)
+            k = (spec.task, spec.seed, spec.n_tokens, index)
+            if k not in self._reference:
+                self._reference[k] = logits if spec.method == "full" else self._full_logits(spec, tokens, forced)
+            ref = self._reference[k]
+            c = compare_logits(ref, logits)  # KL(full ‖ method) per position, greedy agreement
+            result = {"item": item.name, "score": c["top1_agreement"], "mean_kl": c["mean_kl"], "max_kl": c["max_kl"]}
+        else:
+            eng = self.engine(spec, len(tokens) + item.n_generate)
+            eng.prefill(tokens, probe=probe)
+            reply = m.detokenize(list(eng.generate(item.n_generate)))
+            result = {"item": item.name, "score": score(item, reply), "reply": reply, "expected": item.expected}
+        s = eng.stats.as_dict()
+        s["prompt_tokens"] = len(tokens)
+        return result, s
+
+    def _forced_logits(self, eng: Engine, tokens, probe, forced) -> np.ndarray:
+        """[len(forced), V]: the next-token logits after the prompt and after each forced token. The forced
+        tokens go straight into the context's free cells (the engine leaves chunk + window of them after
+        the final compression), so no compression event falls inside the continuation."""
+        first = eng.prefill(tokens, probe=probe)
+        rest = eng.ctx.decode(forced[:-1], range(eng.n_past, eng.n_past + len(forced) - 1), "all")
+        return np.concatenate([first[None], rest])
+
+    def _full_logits(self, spec: Spec, tokens, forced) -> np.ndarray:
+        ref = Spec(spec.model, spec.task, "full", 1.0, "-", spec.seed, spec.n_tokens)
+        return self._forced_logits(self.engine(ref, len(tokens) + len(forced)), tokens, None, forced)
+
+
+def execute(specs: Iterable[Spec], paths: dict[str, Path], out: Path, command: str, n_threads: int | None,
+            n_items: int | None = None, progress=None) -> Iterator[dict]:
+    """Run the specs not yet in ``out`` (results.jsonl), appending each record as it finishes; yields the
+    new records. ``progress(spec, skipped)`` is called before each spec."""
+    done = done_keys(out)
+    runner = None
+    with out.open("a") as f:
+        for spec in specs:
+            if spec.key in done:
+                if progress:
+                    progress(spec, True)
+                continue
+            if progress:
+                progress(spec, False)
+            if runner is None or runner.name != spec.model:
+                runner = Runner(spec.model, paths[spec.model], n_threads)
+            rec = runner.run(spec, n_items)
+            rec.update(command=command, n_threads=n_threads,
+                       finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            yield rec

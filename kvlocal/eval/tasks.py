@@ -1,0 +1,222 @@
+"""Seeded, offline evaluation tasks over real text.
+
+Every task turns (model, context length, seed) into a few :class:`Item`s: a prompt of about
+``n_tokens`` tokens of real prose (the texts the package ships: the openings of *Pride and Prejudice*
+and *A Tale of Two Cities*, and the GPL-3 text), the question at its end, and how an answer is scored.
+The same seed gives the same items on every machine; different seeds start the text elsewhere and draw
+other keys, names and depths.
+
+Prompts are plain completions (no chat template), so instruction-tuned and pretrained models are asked
+the same way: the prompt ends with the beginning of the answer ("... the pass code of the red door is").
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import string
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from typing import Callable
+
+TEXTS = ("data/sample.txt", "data/gpl-3.0.txt")
+
+
+@dataclass
+class Item:
+    """One prompt of a task. ``kind`` says how :func:`score` reads a reply: ``contains`` (any expected
+    string in it), ``recall`` (the fraction of expected strings in it), ``prefix`` (the fraction of the
+    expected words the reply starts with, in order), ``continuation`` (no reply: ``forced`` is the real
+    text that follows the prompt, scored by agreement with the full cache)."""
+
+    task: str
+    name: str  # what varies within the task: a depth, the key asked, a part of the document
+    document: str  # the text before the question
+    question: str  # the end of the prompt: the question and the start of the answer ("" for continuation)
+    expected: list[str] = field(default_factory=list)
+    kind: str = "contains"
+    n_generate: int = 12
+    forced: str = ""  # continuation: the text after the prompt
+
+    @property
+    def prompt(self) -> str:
+        return self.document + self.question
+
+
+# -- real text ------------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=1)
+def sentences() -> tuple[str, ...]:
+    """The shipped texts as one cyclic sequence of sentences (a paragraph break is kept as a leading
+    newline pair of the next sentence, so joining them gives back readable prose)."""
+    out = []
+    for name in TEXTS:
+        text = resources.files("kvlocal").joinpath(name).read_text()
+        for para in re.split(r"\n\s*\n", text):
+            words = " ".join(para.split())
+            if not words:
+                continue
+            parts = re.split(r"(?<!Mr\.)(?<!Mrs\.)(?<!Dr\.)(?<=[.!?;:])\s+(?=[A-Z0-9\"(])", words)
+            out.append("\n\n" + parts[0])
+            out += [" " + p for p in parts[1:]]
+    return tuple(out)
+
+
+class Prose:
+    """Real sentences for a model's tokenizer: :meth:`take` gives consecutive sentences from a seeded
+    start that add up to about ``n_tokens`` tokens."""
+
+    def __init__(self, count_tokens: Callable[[str], int]):
+        self.count = lru_cache(maxsize=None)(count_tokens)
+
+    def take(self, n_tokens: int, rng: random.Random) -> list[str]:
+        pool = sentences()
+        i, out, total = rng.randrange(len(pool)), [], 0
+        while total < n_tokens:
+            s = pool[i % len(pool)]
+            out.append(s.lstrip() if not out else s)
+            total += self.count(s)
+            i += 1
+            if len(out) > len(pool):
+                raise ValueError(f"the shipped texts hold fewer than {n_tokens} tokens")
+        return out
+
+
+def insert_at(parts: list[str], facts: list[tuple[float, str]]) -> str:
+    """Join sentences with each fact inserted at its depth (0 = before the first sentence, 1 = after the
+    last), as a sentence of its own."""
+    parts = list(parts)
+    for depth, fact in sorted(facts, key=lambda f: -f[0]):
+        at = round(depth * len(parts))
+        parts.insert(at, (" " if at else "") + fact)
+    return "".join(parts)
+
+
+# -- tasks -----------------------------------------------------------------------------------------------
+
+COLORS = ["red", "blue", "green", "yellow", "white", "black", "orange", "purple", "grey", "brown"]
+QUESTION_ROOM = 40  # tokens kept free for the question and answer prefix
+
+
+def _code(rng: random.Random) -> str:
+    return str(rng.randrange(10000, 100000))
+
+
+def needle(prose: Prose, n_tokens: int, rng: random.Random, depths=(0.5, 0.1, 0.9)) -> list[Item]:
+    """One fact at several depths of the text; the question asks for it."""
+    items = []
+    for depth in depths:
+        color, code = rng.choice(COLORS), _code(rng)
+        fact = f"The pass code of the {color} door is {code}."
+        doc = insert_at(prose.take(n_tokens - QUESTION_ROOM, rng), [(depth, fact)])
+        q = f"\n\nQuestion: What is the pass code of the {color} door?\nAnswer: The pass code of the {color} door is"
+        items.append(Item("needle", f"depth={depth:g}", doc, q, [code]))
+    return items
+
+
+def multikey(prose: Prose, n_tokens: int, rng: random.Random, n_keys: int = 4, n_items: int = 3) -> list[Item]:
+    """Several facts of the same form (pass codes of doors of different colours) at random depths; one is
+    asked. Only a probe that knows the question can tell which one matters."""
+    items = []
+    for j in range(n_items):
+        colors = rng.sample(COLORS, n_keys)
+        codes = [_code(rng) for _ in colors]
+        depths = sorted(rng.uniform(0.05, 0.95) for _ in colors)
+        facts = [(d, f"The pass code of the {c} door is {k}.") for d, c, k in zip(depths, colors, codes)]
+        ask = rng.randrange(n_keys)
+        doc = insert_at(prose.take(n_tokens - QUESTION_ROOM - 12 * n_keys, rng), facts)
+        q = (f"\n\nQuestion: What is the pass code of the {colors[ask]} door?\n"
+             f"Answer: The pass code of the {colors[ask]} door is")
+        items.append(Item("multikey", f"key {ask + 1}/{n_keys} at {depths[ask]:.2f}", doc, q, [codes[ask]]))
+    return items
+
+
+def _var(rng: random.Random) -> str:
+    return "".join(rng.choice(string.ascii_uppercase) for _ in range(5))
+
+
+def vartrack(prose: Prose, n_tokens: int, rng: random.Random, hops: int = 3, n_items: int = 2) -> list[Item]:
+    """Variable tracking (as in RULER): a chain ``VAR A = 12345. VAR B = VAR A. ...`` spread over the text,
+    with a distractor chain holding another value; the question asks which variables hold the value.
+    Scored by the fraction of the chain's names in the reply."""
+    items = []
+    for j in range(n_items):
+        names = [_var(rng) for _ in range(2 * hops)]
+        chain, other = names[:hops], names[hops:]
+        value, decoy = _code(rng), _code(rng)
+        facts = []
+        for vars_, val in ((chain, value), (other, decoy)):
+            depths = sorted(rng.uniform(0.05, 0.95) for _ in vars_)
+            facts += [(depths[0], f"VAR {vars_[0]} = {val}.")]
+            facts += [(d, f"VAR {b} = VAR {a}.") for d, a, b in zip(depths[1:], vars_, vars_[1:])]
+        doc = insert_at(prose.take(n_tokens - QUESTION_ROOM - 12 * 2 * hops, rng), facts)
+        q = (f"\n\nQuestion: Which variables are assigned the value {value}, directly or through other variables?\n"
+             f"Answer: The variables assigned the value {value} are: VAR")
+        items.append(Item("vartrack", f"chain {j + 1}", doc, q, chain, kind="recall", n_generate=24))
+    return items
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9']+", text.lower())
+
+
+def docqa(prose: Prose, n_tokens: int, rng: random.Random, parts=(("start", 0.1), ("middle", 0.5), ("end", 0.85))) -> list[Item]:
+    """Questions about one real document's start, middle and end: the opening words of a sentence there
+    are quoted and the model must go on with the text's own next words (checked word by word)."""
+    sents = prose.take(n_tokens - QUESTION_ROOM - 20, rng)
+    doc = "".join(sents)
+    items = []
+    for part, depth in parts:
+        i = round(depth * len(sents))
+        # the nearest sentence long enough to quote 6 words and check the next 4
+        for k in sorted(range(len(sents)), key=lambda k: abs(k - i)):
+            words = sents[k].split()
+            if len(words) >= 12:
+                break
+        else:
+            raise ValueError("no sentence of 12 words or more in the text")
+        quote, rest = " ".join(words[:6]), " ".join(words[6:10])
+        q = f'\n\nQuestion: How does the sentence that begins "{quote}" go on?\nAnswer: "{quote}'
+        items.append(Item("docqa", part, doc, q, [rest], kind="prefix"))
+    return items
+
+
+def continuation(prose: Prose, n_tokens: int, rng: random.Random, n_forced: int = 64) -> list[Item]:
+    """Real text read up to a point, then the real text that follows is forced token by token: the next-
+    token distributions are compared with the full cache's (mean KL, greedy agreement)."""
+    sents = prose.take(n_tokens + 2 * n_forced, rng)
+    cut = len(sents)
+    while cut > 1 and sum(prose.count(s) for s in sents[cut - 1:]) < 1.5 * n_forced:
+        cut -= 1
+    doc, rest = "".join(sents[:cut]), "".join(sents[cut:])
+    return [Item("continuation", "next", doc, "", [], kind="continuation", n_generate=0, forced=rest)]
+
+
+TASKS: dict[str, Callable[..., list[Item]]] = {
+    "needle": needle,
+    "multikey": multikey,
+    "vartrack": vartrack,
+    "docqa": docqa,
+    "continuation": continuation,
+}
+
+
+def make_items(task: str, prose: Prose, n_tokens: int, seed: int) -> list[Item]:
+    """A task's items for a seed: the same on every run (a private RNG per task and seed)."""
+    return TASKS[task](prose, n_tokens, random.Random(f"{task}:{seed}:{n_tokens}"))
+
+
+def score(item: Item, reply: str) -> float:
+    """The score of a reply in [0, 1] (``continuation`` items are scored by the runner)."""
+    if item.kind == "contains":
+        return float(any(e in reply for e in item.expected))
+    if item.kind == "recall":
+        return sum(e in reply for e in item.expected) / len(item.expected)
+    if item.kind == "prefix":
+        want, got = _words(item.expected[0]), _words(reply)
+        n = 0
+        while n < len(want) and n < len(got) and want[n] == got[n]:
+            n += 1
+        return n / len(want)
+    raise ValueError(f"item kind {item.kind!r} is not scored from a reply")

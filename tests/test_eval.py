@@ -1,0 +1,106 @@
+"""`kvlocal eval`: the seeded tasks, and `--quick` end to end as a user runs it (output complete and sane,
+resumable; not the numbers)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+
+import pytest
+
+from conftest import run_cli
+from kvlocal.eval.command import QUICK
+from kvlocal.eval.runner import plan
+from kvlocal.eval.tasks import TASKS, Item, Prose, insert_at, make_items, score, sentences
+
+
+def _prose() -> Prose:
+    return Prose(lambda s: len(s.split()))  # a word is a token: enough to check the generators
+
+
+def test_tasks_are_seeded_and_hold_their_answers():
+    for task in TASKS:
+        a, b = make_items(task, _prose(), 600, 1), make_items(task, _prose(), 600, 1)
+        assert [i.prompt for i in a] == [i.prompt for i in b], task
+        assert [i.prompt for i in a] != [i.prompt for i in make_items(task, _prose(), 600, 2)], task
+        for item in a:
+            assert 450 <= len(item.document.split()) <= 800, (task, item.name)
+            for e in item.expected:  # every answer is in the document (docqa: after its quoted start)
+                assert e in " ".join(item.document.split()), (task, item.name, e)
+
+
+def test_multikey_asks_one_of_several_similar_facts():
+    for item in make_items("multikey", _prose(), 800, 0):
+        assert item.document.count("The pass code of the ") == 4
+        assert item.question.count("door") == 2
+
+
+def test_text_is_real_and_not_repeated():
+    pool = sentences()
+    assert len(pool) > 300 and len(set(pool)) > 0.95 * len(pool)
+    doc = "".join(_prose().take(2000, random.Random(0)))
+    assert len(set(doc.split(". "))) > 0.95 * len(doc.split(". "))
+
+
+def test_insert_and_score():
+    assert insert_at(["A.", " B."], [(0.5, "X.")]) == "A. X. B."
+    assert insert_at(["A.", " B."], [(0.0, "X.")]) == "X. A. B."
+    item = Item("t", "n", "doc", "q", ["of this License, then"], kind="prefix")
+    assert score(item, " of this license, then you") == 1.0
+    assert score(item, " of this Act") == 0.5
+    assert score(Item("t", "n", "d", "q", ["AB", "CD", "EF"], kind="recall"), "AB, EF") == pytest.approx(2 / 3)
+    assert score(Item("t", "n", "d", "q", ["12345"]), " 12345.") == 1.0
+
+
+@pytest.mark.slow
+def test_quick_eval_is_complete_sane_and_resumable(smollm2, tmp_path):
+    out = tmp_path / "eval"
+    r = run_cli("eval", "--quick", "--out", str(out), "-t", "1", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    specs = plan(QUICK["models"], QUICK["tasks"], QUICK["methods"], [float(b) for b in QUICK["budgets"]],
+                 ["question", "agnostic"], 0, QUICK["tokens"])
+    assert sorted(r["key"] for r in records) == sorted(s.key for s in specs)
+    full = {r["task"]: r for r in records if r["method"] == "full"}
+    for rec in records:
+        assert 0.0 <= rec["score"] <= 1.0
+        assert len(rec["model_sha256"]) == 64 and rec["command"].startswith("kvlocal eval --quick")
+        assert rec["seed"] == 0 and rec["seconds"] > 0 and len(rec["items"]) >= 1
+        assert 300 <= rec["prompt_tokens"] <= 600
+        assert rec["kv_bytes_measured"] and rec["kv_bytes_allocated"] > 0
+        if rec["budget"] < 1:  # eviction: a smaller cache than the full one, and compressed
+            assert rec["kv_bytes_allocated"] < full[rec["task"]]["kv_bytes_allocated"] and rec["compression_events"] > 0
+        if rec["task"] == "continuation":
+            assert rec["mean_kl"] >= 0
+    assert full["continuation"]["score"] == 1.0 and full["continuation"]["mean_kl"] == pytest.approx(0, abs=1e-6)
+    q8 = [r for r in records if r["method"] == "full-q8_0"]
+    assert q8 and all(r["kv_bytes_allocated"] < full[r["task"]]["kv_bytes_allocated"] for r in q8)
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert len(rows) == len(records) and all(row["loss"] != "" or float(row["full_score"] or 0) == 0 for row in rows)
+    pngs = sorted(out.glob("*.png"))
+    assert [p.name for p in pngs] == ["smollm2-135m-budget.png", "smollm2-135m-bytes.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000 for p in pngs)
+    assert "| criticalkv | 0.1 | question |" in (out / "summary.md").read_text()
+
+    before = (out / "results.jsonl").read_text()
+    again = run_cli("eval", "--quick", "--out", str(out), "-t", "1", timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (out / "results.jsonl").read_text() == before
+    assert f"0 runs in" in again.stderr and f"{len(specs)} already done" in again.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budgets", "1.5"], "--budgets 1.5"),
+    (["--budgets", "abc"], "--budgets 'abc'"),
+    (["--tasks", "nope"], "--tasks: unknown nope"),
+    (["--methods", "adakv"], "--methods: unknown adakv"),
+    (["--tokens", "50"], "--tokens 50"),
+    (["no-such-model"], "neither a known model"),
+])
+def test_eval_bad_input_is_one_line_exit_2(tmp_path, args, message):
+    r = run_cli("eval", "--out", str(tmp_path / "e"), *args, timeout=60)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvlocal: error:") and message in lines[0], r.stderr
+    assert not (tmp_path / "e" / "results.jsonl").exists()
