@@ -38,7 +38,7 @@ def test_multikey_asks_one_of_several_similar_facts():
 
 def test_text_is_real_and_not_repeated():
     pool = sentences()
-    assert len(pool) > 300 and len(set(pool)) > 0.95 * len(pool)
+    assert len(pool) > 250 and len(set(pool)) == len(pool)  # no sentence twice
     doc = "".join(_prose().take(2000, random.Random(0)))
     assert len(set(doc.split(". "))) > 0.95 * len(doc.split(". "))
 

@@ -89,7 +89,7 @@ def insert_at(parts: list[str], facts: list[tuple[float, str]]) -> str:
     parts = list(parts)
     for depth, fact in sorted(facts, key=lambda f: -f[0]):
         at = round(depth * len(parts))
-        parts.insert(at, (" " if at else "") + fact)
+        parts.insert(at, " " + fact if at else fact + " ")
     return "".join(parts)
 
 
