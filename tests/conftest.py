@@ -51,6 +51,20 @@ def smollm2_model(smollm2):
     return Model(smollm2)
 
 
+@pytest.fixture(scope="session")
+def qwen_model(qwen):
+    from kvlocal.runtime import Model
+
+    return Model(qwen)
+
+
+@pytest.fixture(scope="session")
+def gemma3_model(gemma3):
+    from kvlocal.runtime import Model
+
+    return Model(gemma3)
+
+
 def run_cli(*args: str, input: str | None = None, env: dict | None = None, timeout: int = 300):
     """Run `python -m kvlocal ARGS` as a user would; returns the CompletedProcess."""
     return subprocess.run(

@@ -29,11 +29,6 @@ TURNS = [
 QUESTION = "What is my favourite colour?"
 
 
-@pytest.fixture(scope="module")
-def qwen_model(qwen):
-    return Model(qwen)
-
-
 def _chat(model: Model, method: str) -> tuple[str, Engine]:
     eng = Engine(model, BUDGET, method=method, max_tokens=4096, n_threads=2)
     chat = ChatSession(eng, Sampler())
