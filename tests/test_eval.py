@@ -36,6 +36,17 @@ def test_multikey_asks_one_of_several_similar_facts():
         assert item.question.count("door") == 2
 
 
+def test_plan_runs_the_full_cache_first_and_each_probe_where_it_matters():
+    specs = plan(["m"], ["needle", "multiturn"], ["streaming", "criticalkv", "full-q4_0"], [0.1, 0.2],
+                 ["question", "agnostic"], 3, 500)
+    assert len({s.key for s in specs}) == len(specs)
+    needle = [(s.method, s.budget, s.observation) for s in specs if s.task == "needle"]
+    assert needle[:2] == [("full", 1.0, "-"), ("full-q4_0", 1.0, "-")]
+    assert ("streaming", 0.1, "-") in needle and ("criticalkv", 0.2, "agnostic") in needle and len(needle) == 8
+    chat = {(s.method, s.observation) for s in specs if s.task == "multiturn"}
+    assert chat == {("full", "-"), ("full-q4_0", "-"), ("streaming", "-"), ("criticalkv", "chat")}
+
+
 def test_text_is_real_and_not_repeated():
     pool = sentences()
     assert len(pool) > 250 and len(set(pool)) == len(pool)  # no sentence twice

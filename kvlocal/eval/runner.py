@@ -25,8 +25,10 @@ import numpy as np
 from ..engine import Engine
 from ..models import cache_dir, sha256_file
 from ..runtime import Model
+from ..sampling import Sampler
+from ..session import ChatSession
 from ..verify import compare_logits
-from .tasks import Item, Prose, make_items, score
+from .tasks import CHAT_TASKS, Item, Prose, make_items, score
 
 # full cache with a quantized K cache: ggml type of K (V stays F16: the Engine passes only type_k, and a
 # quantized V cache needs flash attention in llama.cpp)
@@ -35,6 +37,7 @@ EVICTION = ("streaming", "snapkv", "criticalkv")
 QUERY_FREE = ("streaming",)  # methods that never look at the probe: one observation mode, "-"
 OBSERVATIONS = ("question", "agnostic")
 N_FORCED = 64  # continuation: tokens of real text forced after the prompt
+CHAT_ROOM = 256  # multiturn: tokens past the document for the chat template, the questions and the replies
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ def plan(models, tasks, methods, budgets, observations, seed: int, n_tokens: int
             specs += [Spec(model, task, m, 1.0, "-", seed, n_tokens) for m in methods if m in KV_BASELINES]
             for budget in budgets:
                 for m in (m for m in methods if m in EVICTION):
-                    for obs in ("-",) if m in QUERY_FREE else observations:
+                    for obs in ("-",) if m in QUERY_FREE else ("chat",) if task in CHAT_TASKS else observations:
                         specs.append(Spec(model, task, m, float(budget), obs, seed, n_tokens))
     return specs
 
@@ -159,6 +162,11 @@ class Runner:
             ref = self._reference[k]
             c = compare_logits(ref, logits)  # KL(full ‖ method) per position, greedy agreement
             result = {"item": item.name, "score": c["top1_agreement"], "mean_kl": c["mean_kl"], "max_kl": c["max_kl"]}
+        elif item.kind == "chat":
+            eng = self.engine(spec, len(tokens) + CHAT_ROOM)
+            replies = self._chat(eng, item)
+            result = {"item": item.name, "score": float(np.mean([e in r for r, (_, e) in zip(replies, item.turns)])),
+                      "reply": replies, "expected": item.expected}
         else:
             eng = self.engine(spec, len(tokens) + item.n_generate)
             eng.prefill(tokens, probe=probe)
@@ -167,6 +175,14 @@ class Runner:
         s = eng.stats.as_dict()
         s["prompt_tokens"] = len(tokens)
         return result, s
+
+    @staticmethod
+    def _chat(eng: Engine, item: Item) -> list[str]:
+        """The document as the first user turn (a short greedy reply), then each question in a turn of its
+        own; returns the replies to the questions."""
+        session = ChatSession(eng, Sampler())
+        "".join(session.ask(item.document + "\n\nRead this text; I will ask you about it.", max_tokens=8))
+        return ["".join(session.ask(q, max_tokens=item.n_generate)) for q, _ in item.turns]
 
     def _forced_logits(self, eng: Engine, tokens, probe, forced) -> np.ndarray:
         """[len(forced), V]: the next-token logits after the prompt and after each forced token. The forced

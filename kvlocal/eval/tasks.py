@@ -38,6 +38,7 @@ class Item:
     kind: str = "contains"
     n_generate: int = 12
     forced: str = ""  # continuation: the text after the prompt
+    turns: list[tuple[str, str]] = field(default_factory=list)  # chat: (question, expected) asked in turn
 
     @property
     def prompt(self) -> str:
@@ -120,16 +121,33 @@ def multikey(prose: Prose, n_tokens: int, rng: random.Random, n_keys: int = 4, n
     asked. Only a probe that knows the question can tell which one matters."""
     items = []
     for j in range(n_items):
-        colors = rng.sample(COLORS, n_keys)
-        codes = [_code(rng) for _ in colors]
-        depths = sorted(rng.uniform(0.05, 0.95) for _ in colors)
-        facts = [(d, f"The pass code of the {c} door is {k}.") for d, c, k in zip(depths, colors, codes)]
+        colors, codes, facts = _door_facts(rng, n_keys)
         ask = rng.randrange(n_keys)
         doc = insert_at(prose.take(n_tokens - QUESTION_ROOM - 12 * n_keys, rng), facts)
         q = (f"\n\nQuestion: What is the pass code of the {colors[ask]} door?\n"
              f"Answer: The pass code of the {colors[ask]} door is")
-        items.append(Item("multikey", f"key {ask + 1}/{n_keys} at {depths[ask]:.2f}", doc, q, [codes[ask]]))
+        items.append(Item("multikey", f"key {ask + 1}/{n_keys} at {facts[ask][0]:.2f}", doc, q, [codes[ask]]))
     return items
+
+
+def _door_facts(rng: random.Random, n_keys: int) -> tuple[list[str], list[str], list[tuple[float, str]]]:
+    """Colours, codes and facts ("The pass code of the red door is 48213.") at sorted random depths."""
+    colors = rng.sample(COLORS, n_keys)
+    codes = [_code(rng) for _ in colors]
+    depths = sorted(rng.uniform(0.05, 0.95) for _ in colors)
+    return colors, codes, [(d, f"The pass code of the {c} door is {k}.") for d, c, k in zip(depths, colors, codes)]
+
+
+def multiturn(prose: Prose, n_tokens: int, rng: random.Random, n_keys: int = 4, n_asked: int = 3) -> list[Item]:
+    """One chat (the model's chat template, :class:`~kvlocal.session.ChatSession`): the document with four
+    door codes is the first turn, then three of the codes are asked in turns of their own, each scoring
+    the cache with its own tokens. What the first questions keep decides what the later ones can find."""
+    colors, codes, facts = _door_facts(rng, n_keys)
+    doc = insert_at(prose.take(n_tokens - 120 - 12 * n_keys, rng), facts)
+    turns = [(f"What is the pass code of the {colors[k]} door? Answer with the number only.", codes[k])
+             for k in rng.sample(range(n_keys), n_asked)]
+    return [Item("multiturn", f"{n_asked} questions", doc, "", [c for _, c in turns], kind="chat", n_generate=16,
+                 turns=turns)]
 
 
 def _var(rng: random.Random) -> str:
@@ -199,7 +217,9 @@ TASKS: dict[str, Callable[..., list[Item]]] = {
     "vartrack": vartrack,
     "docqa": docqa,
     "continuation": continuation,
+    "multiturn": multiturn,
 }
+CHAT_TASKS = ("multiturn",)  # asked in a chat session: the turns are the probe (observation "chat")
 
 
 def make_items(task: str, prose: Prose, n_tokens: int, seed: int) -> list[Item]:
