@@ -80,8 +80,11 @@ def test_quick_eval_is_complete_sane_and_resumable(smollm2, tmp_path):
         assert rec["seed"] == 0 and rec["seconds"] > 0 and len(rec["items"]) >= 1
         assert 300 <= rec["prompt_tokens"] <= 600
         assert rec["kv_bytes_measured"] and rec["kv_bytes_allocated"] > 0
-        if rec["budget"] < 1:  # eviction: a smaller cache than the full one, and compressed
-            assert rec["kv_bytes_allocated"] < full[rec["task"]]["kv_bytes_allocated"] and rec["compression_events"] > 0
+        if rec["budget"] < 1:  # eviction: compressed, into no more cells than the full cache (fewer at 0.1;
+            # at 0.2 of ~500 tokens both are 512 cells: the budget's 100 + chunk + window, padded to 256)
+            f = full[rec["task"]]["kv_bytes_allocated"]
+            assert rec["compression_events"] > 0
+            assert rec["kv_bytes_allocated"] < f if rec["budget"] <= 0.1 else rec["kv_bytes_allocated"] <= f
         if rec["task"] == "continuation":
             assert rec["mean_kl"] >= 0
     assert full["continuation"]["score"] == 1.0 and full["continuation"]["mean_kl"] == pytest.approx(0, abs=1e-6)
