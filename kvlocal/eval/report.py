@@ -59,7 +59,8 @@ def _fmt(x) -> str:
 
 def summary(records: list[dict]) -> str:
     """Markdown: per model, a row per method, budget and observation mode; a column per task (score, and
-    the loss in brackets), the mean loss over tasks and the KV MiB allocated (largest over tasks)."""
+    the loss in brackets), the mean loss over tasks, the continuation's mean KL(full ‖ method) and the KV
+    MiB allocated (largest over tasks)."""
     lines = []
     by_model = defaultdict(list)
     for r in records:
@@ -69,16 +70,20 @@ def summary(records: list[dict]) -> str:
         rows = defaultdict(dict)
         for r in rs:
             rows[(r["method"], r["budget"], r["observation"])][r["task"]] = r
+        kl = "continuation" in tasks
         lines += [f"**{model}** ({rs[0]['model_file']}, ~{max(r['prompt_tokens'] for r in rs)} tokens, seed {rs[0]['seed']}):", "",
-                  "| method | budget | observation | " + " | ".join(tasks) + " | mean loss | KV MiB |",
-                  "|---|---|---|" + "---|" * len(tasks) + "---|---|"]
+                  "| method | budget | observation | " + " | ".join(tasks) + " | mean loss |" + (" KL |" if kl else "")
+                  + " KV MiB |",
+                  "|---|---|---|" + "---|" * len(tasks) + "---|" + ("---|" if kl else "") + "---|"]
         for (method, budget, obs), cells in rows.items():
             losses = [c["loss"] for c in cells.values() if c["loss"] is not None]
             scores = [f"{_fmt(cells[t]['score'])}" + (f" ({_fmt(cells[t]['loss'])})" if method != "full" and t in cells else "")
                       if t in cells else "" for t in tasks]
             mib = max(c["kv_bytes_allocated"] for c in cells.values()) / 2**20
+            kl_cell = f" {cells['continuation']['mean_kl']:.3f} |" if "continuation" in cells else " |"
             lines.append(f"| {method} | {budget:g} | {obs} | " + " | ".join(scores)
-                         + f" | {_fmt(sum(losses) / len(losses)) if losses else '–'} | {mib:.1f} |")
+                         + f" | {_fmt(sum(losses) / len(losses)) if losses else '–'} |" + (kl_cell if kl else "")
+                         + f" {mib:.1f} |")
         lines.append("")
     return "\n".join(lines)
 
