@@ -200,7 +200,8 @@ def cmd_run(args) -> int:
         print(answer)
         s = engine.stats
         print(f"[{args.method} budget {args.budget}: {s.budget_cells} of {len(tokens)} prompt tokens kept · "
-              f"n_ctx {s.n_ctx} · KV {s.kv_bytes_allocated / 2**20:.1f} MiB · {s.compression_events} compressions "
+              f"n_ctx {s.n_ctx} · KV {s.kv_bytes_allocated / 2**20:.1f} MiB · kvlocal's own "
+              f"{(s.wo_cache_bytes + s.host_bytes_peak) / 2**20:.1f} MiB · {s.compression_events} compressions "
               f"{s.compression_seconds:.2f} s · prefill {s.prefill_seconds:.2f} s · decode {s.decode_seconds:.2f} s]", file=sys.stderr)
     return 0
 

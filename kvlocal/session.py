@@ -60,4 +60,6 @@ class ChatSession:
                 + (f" (sliding window {s.kv_bytes_swa / 2**20:.1f})" if s.kv_bytes_swa else "")
                 + f" vs {s.kv_bytes_full / 2**20:.1f} MiB for a full "
                 f"{self.engine.cfg.max_tokens:,}-token cache · "
-                f"{s.compression_events} compressions]")
+                f"{s.compression_events} compressions"
+                + (f" · kvlocal {(s.wo_cache_bytes + s.host_bytes_peak) / 2**20:.1f} MiB" if s.compression_events else "")
+                + "]")
