@@ -77,7 +77,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from ..models import resolve
-    from .report import write_all
+    from .report import short_name, write_all
 
     o = _options(args)
     paths = {m: resolve(m) for m in o["models"]}
@@ -95,7 +95,7 @@ def run(args) -> int:
         if skip:
             skipped += 1
             bar.update(1)
-        bar.set_postfix_str(f"{Path(spec.model).stem} {spec.task} {spec.method} {spec.budget:g} {spec.observation}")
+        bar.set_postfix_str(f"{short_name(spec.model)} {spec.task} {spec.method} {spec.budget:g} {spec.observation}")
 
     t0 = time.perf_counter()
     new = []

@@ -49,6 +49,12 @@ def write_csv(records: list[dict], path: Path) -> None:
         w.writerows(records)
 
 
+def short_name(model: str) -> str:
+    """A model argument as a file-name part: the known name, or a path's file name without ``.gguf``."""
+    name = Path(model).name
+    return name[:-5] if name.endswith(".gguf") else name
+
+
 def _label(r: dict) -> str:
     return r["method"] if r["observation"] == "-" else f"{r['method']} ({r['observation']})"
 
@@ -108,7 +114,7 @@ def plots(records: list[dict], out: Path) -> list[Path]:
             axes[0][0].legend(fontsize=7)
             fig.suptitle(f"{model}: {'score vs budget' if kind == 'budget' else 'score vs KV bytes allocated'}")
             fig.tight_layout()
-            path = out / f"{Path(model).stem}-{kind}.png"
+            path = out / f"{short_name(model)}-{kind}.png"
             fig.savefig(path, dpi=100)
             plt.close(fig)
             written.append(path)
