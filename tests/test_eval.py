@@ -47,6 +47,18 @@ def test_plan_runs_the_full_cache_first_and_each_probe_where_it_matters():
     assert chat == {("full", "-"), ("full-q4_0", "-"), ("streaming", "-"), ("criticalkv", "chat")}
 
 
+def test_resume_skips_recorded_runs_and_a_torn_line(tmp_path):
+    from kvlocal.eval.runner import done_keys, execute
+
+    spec = plan(["m"], ["needle"], [], [], ["question"], 0, 400)[0]  # the full cache only
+    out = tmp_path / "results.jsonl"
+    out.write_text(json.dumps({"key": spec.key}) + "\n" + '{"key": "m|needle|snap')  # killed mid-line
+    assert done_keys(out) == {spec.key}
+    seen = []
+    assert list(execute([spec], {}, out, "cmd", 1, progress=lambda s, skip: seen.append(skip))) == []
+    assert seen == [True] and out.read_text().endswith("\n")
+
+
 def test_text_is_real_and_not_repeated():
     pool = sentences()
     assert len(pool) > 250 and len(set(pool)) == len(pool)  # no sentence twice

@@ -204,6 +204,8 @@ def execute(specs: Iterable[Spec], paths: dict[str, Path], out: Path, command: s
     done = done_keys(out)
     runner = None
     with out.open("a") as f:
+        if out.stat().st_size and not out.read_bytes().endswith(b"\n"):
+            f.write("\n")  # a line torn by a killed run stays on its own, ignored
         for spec in specs:
             if spec.key in done:
                 if progress:
