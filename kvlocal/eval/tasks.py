@@ -195,7 +195,7 @@ def docqa(prose: Prose, n_tokens: int, rng: random.Random, parts=(("start", 0.1)
         else:
             raise ValueError("no sentence of 12 words or more in the text")
         quote, rest = " ".join(words[:6]), " ".join(words[6:10])
-        q = f'\n\nQuestion: How does the sentence that begins "{quote}" go on?\nAnswer: "{quote}'
+        q = f'\n\nQuestion: How does the sentence that begins "{quote}" go on in the text above?\nAnswer: {quote}'
         items.append(Item("docqa", part, doc, q, [rest], kind="prefix"))
     return items
 
