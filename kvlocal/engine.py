@@ -213,11 +213,12 @@ class Engine:
         flash_attn: bool = False,
         n_threads: int | None = None,
         type_k: int | None = None,
+        type_v: int | None = None,
     ):
         budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
         self.cfg = EngineConfig(budget, method, chunk, window, n_sink, max_tokens)
         self.cfg.validate()
-        if type_k not in (None, 1) and method != "full":  # 1 = GGML_TYPE_F16
+        if (type_k not in (None, 1) or type_v not in (None, 1)) and method != "full":  # 1 = GGML_TYPE_F16
             raise UsageError("compression with a quantized KV cache is not supported yet (K is stored Hadamard-rotated): use the default F16 cache or --method full")
         self.scorer = make_scorer(method)
         self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
@@ -236,8 +237,10 @@ class Engine:
         n_ctx = self.budget_cells + headroom
         if m.arch.has_swa:  # the sliding cache shares n_ctx: it must hold the window and a chunk with its probe
             n_ctx = max(n_ctx, m.arch.n_swa + chunk + window)
-        self.ctx = Context(m, n_ctx=n_ctx, n_batch=min(n_ctx, 2048), flash_attn=flash_attn,
-                           n_threads=n_threads, type_k=type_k, cb_eval=self.capture.callback)
+        self.ctx = Context(m, n_ctx=n_ctx, n_batch=min(n_ctx, 2048), n_threads=n_threads,
+                           type_k=type_k, type_v=type_v, cb_eval=self.capture.callback,
+                           # llama.cpp stores a quantized V cache only with flash attention
+                           flash_attn=flash_attn or type_v not in (None, 1))
         measured = self.ctx.kv_bytes()
         allocated = measured or kv_cache_bytes(m, self.ctx.n_ctx, self.ctx.n_ubatch)
         self.stats = EngineStats(n_ctx=self.ctx.n_ctx, budget_cells=self.budget_cells,

@@ -120,6 +120,21 @@ def test_batches_fit_the_sliding_window_cache(gemma3_model):
         assert ctx.n_batch == want, (n_ctx, ctx.n_batch)
 
 
+def test_quantized_kv_cache_bytes_are_measured(smollm2_model, prose):
+    """``--method full`` with q8_0 K and V (llama.cpp needs flash attention for a quantized V: the engine
+    turns it on): the measured buffers are q8_0-sized (34 bytes per 32 values) and the model still reads
+    the text; compression with a quantized cache is refused."""
+    m = smollm2_model
+    toks = m.tokenize(prose)[:200]
+    f16 = Engine(m, 1.0, method="full", max_tokens=256, n_threads=THREADS)
+    q8 = Engine(m, 1.0, method="full", max_tokens=256, n_threads=THREADS, type_k=8, type_v=8)
+    assert q8.stats.kv_bytes_measured and q8.stats.kv_bytes_allocated * 64 == f16.stats.kv_bytes_allocated * 34
+    a, b = f16.prefill(toks), q8.prefill(toks)
+    assert np.argmax(a) == np.argmax(b)
+    with pytest.raises(UsageError, match="quantized KV cache"):
+        Engine(m, 0.5, max_tokens=256, type_v=8)
+
+
 # -- the state backend on an iSWA memory ------------------------------------------------------------
 
 
