@@ -281,7 +281,7 @@ class Engine:
         observed = None  # the probe's queries over the cache as it is now
         i = 0
         while i < len(tokens):
-            room = self.ctx.n_ctx - self.live_cells() - self._reserve(probe)
+            room = self.ctx.n_ctx - self.live_cells() - self._reserve()
             if room < 1:
                 self._compress(probe, observed)
                 continue
@@ -313,7 +313,7 @@ class Engine:
             tok = sampler(self.logits)
             t0 = time.perf_counter()
             self._check_cap(1)
-            if self.live_cells() + 1 > self.ctx.n_ctx - self._reserve(self.decode_probe()):
+            if self.live_cells() + 1 > self.ctx.n_ctx - self._reserve():
                 self._compress(self.decode_probe())
             with self._rollback():
                 self.logits = self._decode([tok], [self.n_past], "last")
@@ -347,7 +347,7 @@ class Engine:
         probe = list(probe) if probe else self.model.tokenize(AGNOSTIC_PROBE, add_special=False)
         return probe[-self.cfg.window:]
 
-    def _reserve(self, probe: Sequence[int]) -> int:
+    def _reserve(self) -> int:
         """Cells to keep free for a probe's decode: the probe cap (``window``), whatever this probe's
         length, so that a later, longer probe (the next chat turn) always fits; none for ``full``."""
         return 0 if self.cfg.method == "full" else self.cfg.window

@@ -23,7 +23,7 @@ from kvlocal.runtime import Context, Model
 from kvlocal.runtime import state as state_mod
 from kvlocal.runtime.llama import kv_cache_bytes
 from kvlocal.runtime.state import CacheLost, read_seq, write_seq
-from kvlocal.verify import sample_text
+from kvlocal.verify import compare_logits, sample_text
 
 THREADS = 2
 
@@ -164,13 +164,11 @@ def test_gemma3_state_round_trip_is_exact(gemma3_model, prose):
     assert np.abs(ctx.decode([toks[-1]], [len(toks) - 1]) - want).max() > 1e-3
 
 
-def _forced_probs(eng: Engine, prompt, forced) -> np.ndarray:
-    """Next-token distributions over a forced continuation after the engine read the prompt: [T, V]."""
+def _forced_logits(eng: Engine, prompt, forced) -> np.ndarray:
+    """Next-token logits over a forced continuation after the engine read the prompt: [T, V]."""
     eng.prefill(prompt)
     logits = eng.ctx.decode(forced[:-1], range(eng.n_past, eng.n_past + len(forced) - 1), "all")
-    logits = np.concatenate([eng.logits[None], logits]).astype(np.float64)
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    return p / p.sum(-1, keepdims=True)
+    return np.concatenate([eng.logits[None], logits])
 
 
 def test_gemma3_engine_compresses_the_full_attention_cache(gemma3_model, gpl_text):
@@ -181,19 +179,19 @@ def test_gemma3_engine_compresses_the_full_attention_cache(gemma3_model, gpl_tex
     toks = m.tokenize(gpl_text)
     prompt, forced = toks[:1200], toks[1200:1264]
     cap = len(prompt) + len(forced)
-    full = _forced_probs(Engine(m, 1.0, method="full", max_tokens=cap, n_threads=THREADS), prompt, forced)
+    full = _forced_logits(Engine(m, 1.0, method="full", max_tokens=cap, n_threads=THREADS), prompt, forced)
     eng = Engine(m, 300, method="criticalkv", max_tokens=cap, n_threads=THREADS)
-    crit = _forced_probs(eng, prompt, forced)
+    crit = _forced_logits(eng, prompt, forced)
     s = eng.stats
     assert s.compression_events >= 1 and s.kv_bytes_measured
     assert eng.budget_cells == 300 and eng.ctx.n_ctx >= m.arch.n_swa + 128 + 32
     assert s.kv_bytes_allocated == sum(kv_cache_bytes(m, eng.ctx.n_ctx, eng.ctx.n_ubatch)) and s.kv_bytes_swa > 0
     assert eng.last_plan.n_layer == 3 and eng.layers == (5, 11, 17)
     assert len(eng.ctx.cells()[0]) == eng.ctx.pos_max() + 1 - len(prompt) + 300
-    stream = _forced_probs(Engine(m, 300, method="streaming", max_tokens=cap, n_threads=THREADS), prompt, forced)
+    stream = _forced_logits(Engine(m, 300, method="streaming", max_tokens=cap, n_threads=THREADS), prompt, forced)
 
-    def kl(p):
-        return float(np.mean(np.sum(full * (np.log(full + 1e-12) - np.log(p + 1e-12)), axis=-1)))
+    def kl(logits):  # mean KL(full ‖ method)
+        return compare_logits(full, logits)["mean_kl"]
 
     print(f"gemma3: {s.compression_events} events, n_ctx {eng.ctx.n_ctx}, KV {s.kv_bytes_allocated / 2**20:.1f} MiB "
           f"(sliding {s.kv_bytes_swa / 2**20:.1f}); mean KL vs full over {len(forced)} forced tokens: "
