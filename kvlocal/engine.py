@@ -246,8 +246,8 @@ class Engine:
         self.stats = EngineStats(n_ctx=self.ctx.n_ctx, budget_cells=self.budget_cells,
                                  kv_bytes_allocated=sum(allocated), kv_bytes_swa=allocated[1],
                                  kv_bytes_measured=measured is not None,
-                                 # llama.cpp allocates a full cache for every token the session may see
-                                 kv_bytes_full=sum(kv_cache_bytes(m, pad_cells(max_tokens))))
+                                 # stock llama.cpp allocates a full cache for every token the session may see
+                                 kv_bytes_full=sum(kv_cache_bytes(m, pad_cells(max_tokens), bias=False)))
         self._broken: str | None = None  # set when a failed rewrite lost the cache: nothing more may run
         self.n_past = 0  # next position
         self.logits: np.ndarray | None = None

@@ -14,7 +14,7 @@ from ..errors import UsageError
 # everything in runtime/ was checked against this one.
 REQUIRED_LLAMA_CPP_PYTHON = "0.3.36"
 # LLAMA_KVLOCAL_ABI_VERSION written by the last patch in ggml_patches/
-REQUIRED_PATCH_ABI = 4
+REQUIRED_PATCH_ABI = 5
 
 BUILD_HINT = "run `python ggml_patches/build.py` (see README)"
 
@@ -104,6 +104,14 @@ def patch_functions():
             [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.c_int32],
         ),
         "buffer_size": _symbol("llama_memory_buffer_size", ctypes.c_size_t, [ctypes.c_void_p, ctypes.c_int32]),
+        "get_bias": _symbol(
+            "llama_memory_seq_get_bias", ctypes.c_int32,
+            [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t],
+        ),
+        "set_bias": _symbol(
+            "llama_memory_seq_set_bias", ctypes.c_int32,
+            [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t],
+        ),
     }
 
 

@@ -237,6 +237,27 @@ class Context:
             return None
         return int(fn(self._mem, 0)), int(fn(self._mem, 1))
 
+    def bias(self, il: int) -> np.ndarray:
+        """``[n_head_kv, n]`` float32 attention bias of layer ``il`` for the cells of sequence 0, in
+        :meth:`cells` order (0 unless set; ``log(count)`` for merged entries, ``-inf`` for unused ones)."""
+        fn = patch_functions()["get_bias"]
+        hkv = self.model.arch.n_head_kv
+        n = fn(self._mem, 0, il, None, 0)
+        if n < 0:
+            raise ValueError(f"llama_memory_seq_get_bias: no KV layer {il} in this context's cache")
+        out = np.zeros((hkv, n), dtype=np.float32)
+        if n:
+            fn(self._mem, 0, il, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size)
+        return out
+
+    def set_bias(self, il: int, bias: np.ndarray) -> None:
+        """Set layer ``il``'s attention bias ``[n_head_kv, n]`` for the cells of sequence 0 (:meth:`cells` order)."""
+        fn = patch_functions()["set_bias"]
+        b = np.ascontiguousarray(bias, dtype=np.float32)
+        if fn(self._mem, 0, il, b.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), b.size) < 0:
+            raise ValueError(f"llama_memory_seq_set_bias refused layer {il} with shape {np.shape(bias)} "
+                             f"(needs [n_head_kv, cells of sequence 0])")
+
     def cells(self) -> tuple[np.ndarray, np.ndarray]:
         """(cell indices, positions) held by sequence 0, in cell order. Needs the patched runtime."""
         fn = patch_functions()["seq_cells"]
@@ -258,13 +279,15 @@ def swa_cache_cells(arch: ArchInfo, n_ctx: int, n_ubatch: int = 512) -> int:
     return -(-min(n_ctx, arch.n_swa + n_ubatch) // 256) * 256
 
 
-def kv_cache_bytes(model: Model, n_ctx: int, n_ubatch: int = 512, bytes_per_elem: float = 2.0) -> tuple[int, int]:
-    """(full-attention, sliding-window) K+V bytes that llama.cpp allocates for a context of n_ctx cells
-    (already padded) of an F16 cache: ``n_cells · (head_dim_k + head_dim_v) · n_head_kv · bytes`` per
-    layer, the sliding layers over :func:`swa_cache_cells`. The formula that measured figures
+def kv_cache_bytes(model: Model, n_ctx: int, n_ubatch: int = 512, bytes_per_elem: float = 2.0,
+                   bias: bool = True) -> tuple[int, int]:
+    """(full-attention, sliding-window) bytes that llama.cpp allocates for a context of n_ctx cells
+    (already padded) of an F16 cache: ``n_cells · ((head_dim_k + head_dim_v) · bytes + 4) · n_head_kv`` per
+    layer (K, V and the patched runtime's F32 attention bias per cell and KV head), the sliding layers
+    over :func:`swa_cache_cells`. ``bias=False``: what a stock llama.cpp allocates (no bias). The formula that measured figures
     (:meth:`Context.kv_bytes`) are checked against, and the estimate on a stock runtime."""
     a = model.arch
-    row = (a.head_dim_k + a.head_dim_v) * a.n_head_kv * bytes_per_elem
+    row = ((a.head_dim_k + a.head_dim_v) * bytes_per_elem + (BIAS_BYTES if bias else 0)) * a.n_head_kv
     n_full = len(a.full_layers)
     full = int(n_full * n_ctx * row)
     if not a.has_swa:
@@ -273,3 +296,4 @@ def kv_cache_bytes(model: Model, n_ctx: int, n_ubatch: int = 512, bytes_per_elem
 
 
 N_UBATCH = 512  # kvlocal's contexts: n_ubatch = min(n_batch, 512)
+BIAS_BYTES = 4  # the patched cache's F32 attention bias per cell and KV head (patch 0006)

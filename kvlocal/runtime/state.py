@@ -5,9 +5,10 @@ sequence into a host buffer, kvlocal parses it into numpy arrays (:class:`SeqKV`
 ``llama_state_seq_set_data`` loads an edited copy back. Eviction and per-KV-head rearrangement (a cell
 may hold head 0's row of one token and head 1's row of another) are expressed by the arrays alone.
 
-Blob layout of llama.cpp 0c1e57098 (``LLAMA_STATE_SEQ_VERSION 3``) for a plain ``llama_kv_cache``,
-all integers little-endian, no padding (src/llama-context.cpp ``state_seq_get_data``,
-src/llama-kv-cache.cpp ``state_write`` / ``state_write_meta`` / ``state_write_data``)::
+Blob layout of llama.cpp 0c1e57098 with kvlocal's patches (``LLAMA_STATE_SEQ_VERSION 4``: patch 0006 adds
+the per-head attention bias) for a plain ``llama_kv_cache``, all integers little-endian, no padding
+(src/llama-context.cpp ``state_seq_get_data``, src/llama-kv-cache.cpp ``state_write`` /
+``state_write_meta`` / ``state_write_data``)::
 
     u32 magic 0xaf143cd8 · i32 seq_id · u32 n_stream
     per stream: u32 cell_count                      (0: nothing else for this stream)
@@ -21,6 +22,8 @@ src/llama-kv-cache.cpp ``state_write`` / ``state_write_meta`` / ``state_write_da
       v_trans = 1 (flash attention off), per layer:
                  i32 v_type · u32 v_elem_bytes · u32 n_embd_v_gqa ·
                  for each element j < n_embd_v_gqa: the cell_count values of element j
+      u32 has_bias (0: no cell holds a bias, nothing follows)
+      has_bias = 1, per layer: n_head_kv rows of cell_count f32 (each KV head's bias of every cell)
 
 Cells are read back in blob order into free cells found from the cache head: after this module's
 :func:`write_seq` (which empties the sequence and resets the head) blob cell ``i`` is cache cell ``i``.
@@ -105,6 +108,7 @@ class SeqKV:
     seq_id: int = SEQ_ID  # seq id written in the header (llama.cpp ignores it on load)
     tail: np.ndarray | None = None  # raw bytes after the cache (an iSWA memory's sliding-window cache)
     blob: np.ndarray | None = None  # the blob a fresh read parsed (its arrays are views into it), else None
+    bias: list[np.ndarray] | None = None  # per layer [n, n_head_kv] float32 attention bias; None = all 0
 
     @property
     def n(self) -> int:
@@ -119,6 +123,7 @@ class SeqKV:
             pos=self.pos.copy(), k=[a.copy() for a in self.k], v=[a.copy() for a in self.v], v_trans=self.v_trans,
             k_type=self.k_type, v_type=self.v_type, ext=None if self.ext is None else self.ext.copy(),
             seq_id=self.seq_id, tail=None if self.tail is None else self.tail.copy(),
+            bias=None if self.bias is None else [a.copy() for a in self.bias],
         )
 
     def select(self, cells) -> "SeqKV":
@@ -128,6 +133,7 @@ class SeqKV:
             pos=self.pos[idx].copy(), k=[a[idx] for a in self.k], v=[a[idx] for a in self.v], v_trans=self.v_trans,
             k_type=self.k_type, v_type=self.v_type, ext=None if self.ext is None else self.ext[idx].copy(),
             seq_id=self.seq_id, tail=None if self.tail is None else self.tail.copy(),
+            bias=None if self.bias is None else [a[idx] for a in self.bias],
         )
 
 
@@ -325,12 +331,18 @@ def _parse(buf: np.ndarray, n_layer: int, n_head_kv: int, swa: bool = False) -> 
             raw = r.array(np.uint8, n * n_embd_v * el)
             vt = _rows_to_array(raw, t, n_embd_v, 1).reshape(n_embd_v, n)  # [element, cell]
             v_list.append(np.ascontiguousarray(vt.T).reshape(n, n_head_kv, n_embd_v // n_head_kv))
+    has_bias = r.scalar("<u4")
+    if has_bias not in (0, 1):
+        raise _Malformed(f"attention bias flag {has_bias}")
+    bias = None
+    if has_bias:  # per layer [n_head_kv, n] f32 -> [n, n_head_kv]
+        bias = [r.array("<f4", n_head_kv * n).reshape(n_head_kv, n).T for _ in range(n_layer)]
     tail = _swa_tail(buf, r.off, swa)
     if len(k_types) != 1 or len(v_types) != 1:
         raise _Malformed("cache types differ between layers")
     return SeqKV(
         pos=pos, k=k_list, v=v_list, v_trans=v_trans, k_type=k_types.pop(), v_type=v_types.pop(), ext=ext, seq_id=seq_id,
-        tail=tail,
+        tail=tail, bias=bias,
     )
 
 
@@ -393,6 +405,12 @@ def _validate(ctx, kv: SeqKV) -> np.ndarray:
                 raise ValueError(f"{name}[{il}] must be floating point, got {np.asarray(a).dtype}")
     if kv.ext is not None and np.shape(kv.ext) != (n, 3):
         raise ValueError(f"ext has shape {np.shape(kv.ext)}, expected ({n}, 3)")
+    if kv.bias is not None:
+        if len(kv.bias) != n_layer or any(np.shape(b) != (n, n_head_kv) for b in kv.bias):
+            raise ValueError(f"bias needs one [{n}, {n_head_kv}] array per layer ({n_layer}), "
+                             f"got {[np.shape(b) for b in kv.bias]}")
+        if any(np.isnan(b).any() or (np.asarray(b) == np.inf).any() for b in kv.bias):
+            raise ValueError("bias must be finite or -inf (an unused row), not NaN or +inf")
     geo = _GEOMETRY.get(ctx)
     if geo is not None:  # the context's own layout, known from a read: refuse before emptying the cache
         got = _layout(kv)
@@ -431,6 +449,7 @@ def build_blob(kv: SeqKV, pos: np.ndarray | None = None) -> np.ndarray:
         v_rows = [int(np.prod(np.shape(a)[1:])) * _ELEM_BYTES[kv.v_type] for a in kv.v]
         size += sum(12 + n * r for r in k_rows)
         size += sum(12 + n * r for r in v_rows)  # i32 type + u64 row bytes, or i32 type + u32 elem + u32 n_embd
+        size += 4 + (0 if kv.bias is None else sum(4 * int(np.size(b)) for b in kv.bias))
     buf = np.empty(size, dtype=np.uint8)
     off = 0
 
@@ -476,6 +495,11 @@ def build_blob(kv: SeqKV, pos: np.ndarray | None = None) -> np.ndarray:
                 dst = buf[off : off + n * row].view(_ARRAY_DTYPE[kv.v_type]).reshape(n_embd_v, n)
                 dst[:] = np.reshape(a, (n, n_embd_v)).T
         off += n * row
+    put("<u4", 0 if kv.bias is None else 1)
+    for b in kv.bias or []:
+        nb = 4 * int(np.size(b))
+        buf[off : off + nb].view("<f4").reshape(-1, n)[:] = np.asarray(b, dtype=np.float32).T
+        off += nb
     assert off == size, (off, size)
     return buf if kv.tail is None else np.concatenate([buf, kv.tail])
 

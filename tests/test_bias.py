@@ -1,0 +1,152 @@
+"""The per-head attention bias of the patched llama.cpp (patches 0005, 0006) on the real runtime.
+
+Every KV cell holds an additive attention logit per KV head: ``log(count)`` for an entry that stands for
+``count`` merged tokens (its value their mean), ``-inf`` for an entry a head does not use. These tests
+check it against what it must be equivalent to, with llama.cpp computing both sides: no bias, evicted
+cells, duplicated cells. Flash attention off and on (separate kernels: a broadcast add over ``kq``, and
+the new source of ``ggml_flash_attn_ext``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvlocal.runtime import Context
+from kvlocal.runtime.state import read_seq, write_seq
+
+TEXT = ("The history of the city goes back to a small settlement on the river, where traders met every "
+        "spring to exchange salt and wool.")
+
+FA = pytest.mark.parametrize("fa", [False, True], ids=["fa-off", "fa-on"])
+
+
+def kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
+    """KL(p || q) of the next-token distributions of two logit vectors."""
+    a, b = (np.asarray(x, dtype=np.float64).ravel() for x in (p_logits, q_logits))
+    la, lb = a - a.max(), b - b.max()
+    la -= np.log(np.exp(la).sum())
+    lb -= np.log(np.exp(lb).sum())
+    return float((np.exp(la) * (la - lb)).sum())
+
+
+@pytest.fixture(scope="module")
+def prompt(smollm2_model):
+    toks = smollm2_model.tokenize(TEXT)
+    return toks[:-1], toks[-1]  # the cache, and the token whose logits are compared
+
+
+def cached(model, tokens, fa: bool) -> Context:
+    ctx = Context(model, n_ctx=256, flash_attn=fa)
+    ctx.decode(tokens, logits="none")
+    return ctx
+
+
+def n_layers(model) -> int:
+    return len(model.arch.full_layers)
+
+
+@FA
+def test_unused_bias_is_bit_identical(smollm2_model, prompt, fa):
+    """A bias set and then zeroed keeps the graphs adding it (llama.cpp drops the flag only when the cache is
+    cleared): the logits are the same bits as those of a cache that never had one (llama.cpp's own graphs)."""
+    cache, last = prompt
+    n, hkv = len(cache), smollm2_model.n_head_kv
+    plain = cached(smollm2_model, cache, fa)
+    zero = cached(smollm2_model, cache, fa)
+    for il in range(n_layers(smollm2_model)):
+        zero.set_bias(il, np.ones((hkv, n), np.float32))
+        zero.set_bias(il, np.zeros((hkv, n), np.float32))
+    assert read_seq(zero).bias is not None and read_seq(plain).bias is None  # the flag is on in one only
+    a, b = plain.decode([last], [n]), zero.decode([last], [n])
+    assert np.array_equal(a, b)
+
+
+@FA
+def test_minus_inf_bias_is_eviction(smollm2_model, prompt, fa):
+    cache, last = prompt
+    n, hkv = len(cache), smollm2_model.n_head_kv
+    gone = np.arange(5, 10)
+    masked = cached(smollm2_model, cache, fa)
+    for il in range(n_layers(smollm2_model)):
+        b = np.zeros((hkv, n), np.float32)
+        b[:, gone] = -np.inf
+        masked.set_bias(il, b)
+    evicted = cached(smollm2_model, cache, fa)
+    write_seq(evicted, read_seq(evicted).select(np.setdiff1d(np.arange(n), gone)))
+    full = cached(smollm2_model, cache, fa)
+    a, b, c = (ctx.decode([last], [n]) for ctx in (masked, evicted, full))
+    assert np.abs(a - b).max() <= 1e-4
+    assert np.abs(a - c).max() > 0.1  # negative control: the five cells matter
+
+
+@FA
+def test_identical_keys_merged_with_count(smollm2_model, prompt, fa):
+    """``c`` cells with the same K and V attend exactly like one cell with bias log c (c = 2, the merge of
+    two identical adjacent keys, and c = 4, where the control is clearer under flash attention's F16
+    rounding)."""
+    cache, last = prompt
+    n, hkv, nl, j = len(cache), smollm2_model.n_head_kv, n_layers(smollm2_model), 7
+    for c in (2, 4):
+        dup = cached(smollm2_model, cache, fa)
+        dup_kv = read_seq(dup).select(np.concatenate([np.arange(j + 1), [j] * (c - 1), np.arange(j + 1, n)]))
+        dup_kv.pos = np.arange(n + c - 1, dtype=np.int32)
+        write_seq(dup, dup_kv)
+
+        def merged(count: float) -> np.ndarray:
+            ctx = cached(smollm2_model, cache, fa)
+            one = read_seq(ctx).copy()
+            one.pos = np.concatenate([np.arange(j + 1), np.arange(j + c, n + c - 1)]).astype(np.int32)  # same next position
+            one.bias = [np.zeros((n, hkv), np.float32) for _ in range(nl)]
+            for b in one.bias:
+                b[j] = np.log(count)
+            write_seq(ctx, one)
+            return ctx.decode([last], [n + c - 1])
+
+        want = dup.decode([last], [n + c - 1])
+        got, uncounted = merged(c), merged(1.0)
+        if fa:  # CPU flash attention accumulates V in F16: equal within its own rounding (FA on vs off: KL ~2e-3)
+            assert kl(want, got) < 0.01, c
+        else:
+            assert np.abs(want - got).max() <= 1e-4, c
+        if c == 4:  # negative control: without the count the cell weighs a quarter
+            assert kl(want, uncounted) > 5 * max(kl(want, got), 1e-4)
+
+
+def test_bias_moves_with_its_cell(smollm2_model, prompt):
+    """Set and read back through the API and the state; a removed position takes its bias along, and a
+    token decoded into a freed cell starts at 0."""
+    cache, _ = prompt
+    n, hkv = len(cache), smollm2_model.n_head_kv
+    ctx = cached(smollm2_model, cache, False)
+    rng = np.random.default_rng(0)
+    bias = rng.normal(size=(hkv, n)).astype(np.float32)
+    bias[1, 3] = -np.inf
+    ctx.set_bias(2, bias)
+    np.testing.assert_array_equal(ctx.bias(2), bias)
+    np.testing.assert_array_equal(ctx.bias(0), 0)
+    np.testing.assert_array_equal(read_seq(ctx).bias[2], bias.T)  # the state carries it
+
+    ctx.remove(4, 6)  # positions 4, 5 leave; their cells are free
+    _, pos = ctx.cells()
+    np.testing.assert_array_equal(ctx.bias(2), bias[:, pos])
+    ctx.decode(smollm2_model.tokenize(" again", add_special=False)[:1], [n], logits="none")
+    cells, pos = ctx.cells()
+    assert cells[pos == n][0] == 4  # the new token took a freed cell ...
+    assert np.all(ctx.bias(2)[:, pos == n] == 0)  # ... and not its bias
+
+    kv = read_seq(ctx).copy()  # write the state back: the bias comes back with it
+    write_seq(ctx, kv)
+    np.testing.assert_array_equal(read_seq(ctx).bias[2], kv.bias[2])
+
+
+def test_bias_bad_input(smollm2_model, prompt):
+    ctx = cached(smollm2_model, prompt[0], False)
+    with pytest.raises(ValueError, match="refused layer 0"):
+        ctx.set_bias(0, np.zeros((1, 3), np.float32))
+    with pytest.raises(ValueError, match="no KV layer 99"):
+        ctx.bias(99)
+    kv = read_seq(ctx).copy()
+    kv.bias = [np.full((kv.n, smollm2_model.n_head_kv), np.nan, np.float32)] * n_layers(smollm2_model)
+    with pytest.raises(ValueError, match="not NaN"):
+        write_seq(ctx, kv)
