@@ -99,6 +99,28 @@ def vnorm_l1(v: np.ndarray, wo: np.ndarray, first_head: int, n_group: int,
     return out
 
 
+def greedy_pairs(mass: np.ndarray, n_pairs: int) -> np.ndarray:
+    """Greedy non-overlapping adjacent pairs with the smallest mass: sorted pair indices ``[P]`` int64.
+
+    mass: [m] per-row weights in position order; pair ``i`` joins rows ``i`` and ``i+1`` and costs
+    ``mass[i] + mass[i+1]`` (float32). Pairs are taken cheapest first (ties: the earlier pair), skipping
+    any that shares a row with one already taken, until ``n_pairs`` (fewer if the rows run out).
+    Readable numpy version: ``kvlocal.compress.numpy_ref.greedy_pairs``.
+    """
+    mass = np.ascontiguousarray(mass, dtype=np.float32).reshape(-1)
+    m = mass.shape[0]
+    n_pairs = min(int(n_pairs), m // 2)
+    if n_pairs <= 0:
+        return np.zeros(0, dtype=np.int64)
+    order = _i32(np.argsort(mass[:-1] + mass[1:], kind="stable"))
+    taken = np.empty(m, dtype=np.uint8)
+    out = np.empty(n_pairs, dtype=np.int32)
+    got = lib.kvl_greedy_pairs(_ptr(order, "int *"), m, n_pairs, _ptr(taken, "unsigned char *"), _ptr(out, "int *"))
+    if got < 0:
+        raise ValueError("kvl_greedy_pairs: bad input")
+    return np.sort(out[:got]).astype(np.int64)
+
+
 SIMD_LEVELS = ("generic", "avx2", "avx512")
 
 

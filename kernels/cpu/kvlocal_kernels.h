@@ -1,6 +1,6 @@
-/* kvlocal CPU kernels: the hot loops of scoring and selection.
+/* kvlocal CPU kernels: the hot loops of scoring, selection and merging.
  *
- * Every function works on row-major float32 matrices [n_rows, n] and is independent per row,
+ * The scoring functions work on row-major float32 matrices [n_rows, n] and are independent per row,
  * so callers may split rows across threads. Declarations here are parsed by cffi (kernels/build_cpu.py):
  * keep them to plain C types, one declaration per line, no macros. */
 
@@ -29,6 +29,13 @@ int kvl_window_votes_f32(const float * q, const int * q_pos, int n_head, int w, 
  * sum_c |sum_i v[rows[r]][i] * W_O^h[i][c]|. Returns 0, or -1 on bad sizes, a row index out of range,
  * or when out of memory. */
 int kvl_vnorm_l1_f32(const float * v, int n, int d, const float * wo, int ld, int n_group, int D, const int * rows, int n_rows, float * out);
+
+/* Greedy non-overlapping adjacent pairs (KVSlimmer's pair selection) over m rows in position order.
+ * Pair i joins rows i and i+1; order [m-1] lists the pair indices cheapest first. The pairs are taken
+ * in that order, skipping any that shares a row with a pair already taken, until n_pairs are taken.
+ * taken [m] is scratch; out [min(n_pairs, m/2)] receives the chosen pair indices in the order taken.
+ * Returns how many were taken (fewer than n_pairs when the rows run out), or -1 on bad input. */
+int kvl_greedy_pairs(const int * order, int m, int n_pairs, unsigned char * taken, int * out);
 
 /* Instruction set of the scoring kernels above: 0 generic (SSE2 / NEON / scalar), 1 AVX2+FMA,
  * 2 AVX-512; the widest the CPU supports is used. cap >= 0 limits it (tests and benchmarks compare the

@@ -1,10 +1,10 @@
 """Readable numpy versions of the native scoring kernels.
 
 Each function here is the definition that the C kernel of the same name in :mod:`kvlocal.kernels`
-is tested against (``tests/test_kernels_scoring.py``) and the baseline of ``python -m
-kvlocal.compress.bench``. The scorers call the C kernels where those have wide vectors (AVX2,
-AVX-512) and these functions elsewhere, where numpy's BLAS is faster
-(:func:`kvlocal.compress.base.native_scoring`).
+is tested against (``tests/test_kernels_scoring.py``; ``greedy_pairs``: ``tests/test_compress_merge.py``)
+and the baseline of ``python -m kvlocal.compress.bench``. The scorers call the C scoring kernels where
+those have wide vectors (AVX2, AVX-512) and these functions elsewhere, where numpy's BLAS is faster
+(:func:`kvlocal.compress.base.native_scoring`); ``greedy_pairs`` is a plain loop and always runs in C.
 """
 
 from __future__ import annotations
@@ -43,3 +43,17 @@ def vnorm_l1(v: np.ndarray, wo: np.ndarray, first_head: int, n_group: int,
     v = v if rows is None else v[np.asarray(rows)]
     heads = range(first_head, first_head + n_group)
     return np.mean([np.abs(v @ wo[:, h * d : (h + 1) * d].T).sum(axis=-1) for h in heads], axis=0).astype(np.float32)
+
+
+def greedy_pairs(mass: np.ndarray, n_pairs: int) -> np.ndarray:
+    """Greedy non-overlapping adjacent pairs: ``[P]``. Same contract as :func:`kvlocal.kernels.greedy_pairs`."""
+    mass = np.asarray(mass, dtype=np.float32)
+    taken = np.zeros(len(mass), dtype=bool)
+    chosen: list[int] = []
+    for i in np.argsort(mass[:-1] + mass[1:], kind="stable"):
+        if len(chosen) >= n_pairs:
+            break
+        if not taken[i] and not taken[i + 1]:
+            taken[i] = taken[i + 1] = True
+            chosen.append(int(i))
+    return np.array(sorted(chosen), dtype=np.int64)
