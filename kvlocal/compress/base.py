@@ -9,14 +9,21 @@ The contract, documented once:
 
 ``score(layer) -> [Hkv, n] float32``
     Budget-free importance of every cell, higher = keep. ``+inf`` for cells the method protects
-    (attention sinks, the observation window: :meth:`LayerInputs.protected`). Budget allocation reads
-    these scores.
+    (attention sinks, the observation window: :meth:`LayerInputs.protected`), ``-inf`` for empty rows
+    (:attr:`LayerInputs.live`). Budget allocation (AdaKV) reads these scores.
 ``rerank(layer, scores, budgets) -> [Hkv, n] float32``
     The ranking whose per-head top ``budgets[h]`` is the kept set, given ``scores = score(layer)`` and
     the per-head budgets ``[Hkv]``. The default returns ``scores``; CriticalKV's two-stage selection
     depends on the budget and lives here.
 ``keep(layer, budget) -> [Hkv, B] int64``
-    The cells every KV head keeps, ``B = min(budget, n)`` of them, sorted by position (:func:`select`).
+    The cells every KV head keeps, sorted by position (:func:`select`): ``min(budget, live rows)`` per
+    head for a uniform budget; a head that keeps fewer than ``B`` has ``-1`` (empty) in its first slots.
+``plan_layer(layer, budget) -> LayerPlan``
+    The layer's part of the plan (:class:`~kvlocal.compress.plan.LayerPlan`): kept cells, counts and
+    merges. The default wraps :meth:`keep`; merging methods (KVSlimmer) override it.
+
+Empty rows (a head that holds fewer entries than the cache has cells) are never kept, get no
+attention and are neither sinks nor window (:attr:`LayerInputs.live`).
 
 Cells are in llama.cpp's cell order, which is **not** position order (after a removal new tokens fill
 the holes first); everything that depends on order (pooling, ties, the result) goes by position.
@@ -26,16 +33,15 @@ These are the conventions of the PyTorch reference (``kvlocal.reference.compress
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import numpy as np
 
 from kvlocal import kernels
 from kvlocal.compress import numpy_ref
-
-if TYPE_CHECKING:
-    from kvlocal.compress.plan import Plan
+from kvlocal.compress.plan import EMPTY, LayerPlan, Plan
 
 
 @dataclass
@@ -48,7 +54,8 @@ class LayerInputs:
         ``[Hkv, n, d]`` float32 keys (after RoPE) and values of the ``n`` cells, in cell order.
     pos : np.ndarray
         ``[n]`` int positions of the cells (all KV heads of a cell share it in llama.cpp), or
-        ``[Hkv, n]`` when the engine tracks a source position per head. Not sorted; distinct per head.
+        ``[Hkv, n]`` when the engine tracks a source position per head. Not sorted; distinct per head
+        among live rows; ``-1`` for an empty row.
     q : np.ndarray, optional
         ``[Hq, w, d]`` float32 observation queries after RoPE (the last prompt tokens, or a question
         probe); ``Hq`` a multiple of ``Hkv``, query head ``h`` reads KV head ``h // (Hq/Hkv)``.
@@ -68,8 +75,11 @@ class LayerInputs:
         none. An int ``W``: the ``W`` most recent positions (of each head) are protected instead,
         whatever the queries (e.g. the tail of a chunk scored by a probe).
     bias : np.ndarray, optional
-        ``[Hkv, n]`` float32 additive attention-logit bias (``log(count)`` for merged slots); ``None``
-        = 0 (plain tokens, the only case so far).
+        ``[Hkv, n]`` float32 additive attention-logit bias: ``log(count)`` for a row that stands for
+        ``count`` source tokens (a merge), 0 for a plain token, ``-inf`` for an EMPTY row (a dead slot:
+        AdaKV gave that head fewer entries, or the head holds fewer live rows), whose ``pos`` is ``-1``.
+        ``None``: 0 everywhere (then rows with ``pos = -1`` are the empty ones). Empty rows are never
+        kept, get no attention, and are neither sinks nor window (:attr:`live`, :attr:`counts`).
     vnorm : np.ndarray, optional
         ``[Hkv, n]`` float32 projected value norms already known (CriticalKV; NaN = not known). They
         depend only on a cell's value row and ``W_O``, so an engine can carry them from one event to
@@ -103,6 +113,14 @@ class LayerInputs:
             if self.q.ndim != 3 or self.q.shape[2] != d or self.q.shape[0] % hkv or self.q.shape[1] != len(self.q_pos):
                 raise ValueError(f"layer {self.layer}: q {self.q.shape} must be [Hq, w, {d}] with Hq a multiple of "
                                  f"{hkv} and w = len(q_pos) = {len(self.q_pos)}")
+        if (self.pos < EMPTY).any():
+            raise ValueError(f"layer {self.layer}: positions must be >= 0, or -1 for an empty row")
+        if self.bias is not None:
+            self.bias = np.ascontiguousarray(np.broadcast_to(self.bias, (hkv, n)), dtype=np.float32)
+            if np.isnan(self.bias).any() or np.isposinf(self.bias).any() or \
+                    not np.array_equal(np.isneginf(self.bias), self.pos_h < 0):
+                raise ValueError(f"layer {self.layer}: bias must be finite (log(count)) for live rows and -inf "
+                                 "exactly for the empty rows (pos -1)")
         if self.vnorm is not None and (self.vnorm.shape != (hkv, n) or self.vnorm.dtype != np.float32):
             raise ValueError(f"layer {self.layer}: vnorm must be float32 [{hkv}, {n}], "
                              f"got {self.vnorm.dtype} {self.vnorm.shape}")
@@ -126,8 +144,26 @@ class LayerInputs:
         """Positions per KV head ``[Hkv, n]`` (a read-only broadcast of ``pos`` when it is ``[n]``)."""
         return np.broadcast_to(self.pos, (self.n_kv, self.n))
 
+    @property
+    def live(self) -> np.ndarray:
+        """``[Hkv, n]`` True for the rows that hold a token (``pos >= 0``; the others are empty)."""
+        return self.pos_h >= 0
+
+    @property
+    def n_live(self) -> np.ndarray:
+        """``[Hkv]`` int64 live rows per head."""
+        return self.live.sum(axis=1)
+
+    @property
+    def counts(self) -> np.ndarray:
+        """``[Hkv, n]`` int64 source tokens per row: ``rint(exp(bias))``, 1 without a bias, 0 for empty rows."""
+        if self.bias is None:
+            return self.live.astype(np.int64)
+        with np.errstate(over="ignore"):
+            return np.where(self.live, np.rint(np.exp(self.bias)), 0).astype(np.int64)
+
     def window_mask(self, q_pos: np.ndarray | None = None) -> np.ndarray:
-        """``[Hkv, n]`` True for the cells of the observation window (see ``window``).
+        """``[Hkv, n]`` True for the live cells of the observation window (see ``window``).
 
         ``q_pos`` are the queries actually used (a scorer may use only the last ones); default all.
         """
@@ -135,16 +171,35 @@ class LayerInputs:
         if self.window is not None:
             if self.window <= 0 or self.n == 0:
                 return np.zeros(pos.shape, dtype=bool)
-            recent = np.sort(pos, axis=1)[:, max(0, self.n - self.window)][:, None]
-            return pos >= recent
+            recent = np.sort(pos, axis=1)[:, max(0, self.n - self.window)][:, None]  # empty rows (-1) sort first
+            return (pos >= recent) & self.live
         q_pos = self.q_pos if q_pos is None else q_pos
         if q_pos is None or len(q_pos) == 0:
             return np.zeros(pos.shape, dtype=bool)
-        return pos >= int(np.min(q_pos))
+        return (pos >= int(np.min(q_pos))) & self.live
 
     def protected(self, q_pos: np.ndarray | None = None) -> np.ndarray:
-        """``[Hkv, n]`` True for the cells no method may evict: sinks and the window (:meth:`window_mask`)."""
-        return (self.pos_h < self.n_sink) | self.window_mask(q_pos)
+        """``[Hkv, n]`` True for the live cells no method may evict: sinks and the window (:meth:`window_mask`)."""
+        return ((self.pos_h < self.n_sink) & self.live) | self.window_mask(q_pos)
+
+    def take(self, cells: np.ndarray) -> "LayerInputs":
+        """These inputs restricted to the rows ``cells`` ``[Hkv, m]`` of each head (``-1``: an empty row).
+
+        Known ``vnorm`` are copied (a scorer filling in norms of the subset does not write back here).
+        """
+        cells = np.asarray(cells, dtype=np.int64)
+        heads, filled, idx = np.arange(self.n_kv)[:, None], cells >= 0, np.maximum(cells, 0)
+
+        def rows(a: np.ndarray) -> np.ndarray:
+            return np.where(filled[..., None], a[heads, idx], 0).astype(a.dtype)
+
+        bias = None
+        if self.bias is not None or not filled.all():
+            bias = np.zeros(cells.shape, np.float32) if self.bias is None else self.bias[heads, idx]
+            bias = np.where(filled, bias, -np.inf).astype(np.float32)
+        return dataclasses.replace(
+            self, k=rows(self.k), v=rows(self.v), pos=np.where(filled, self.pos_h[heads, idx], EMPTY), bias=bias,
+            vnorm=None if self.vnorm is None else np.where(filled, self.vnorm[heads, idx], np.nan).astype(np.float32))
 
 
 def native_scoring() -> bool:
@@ -188,18 +243,37 @@ def top_cells(scores: np.ndarray, k: int, pos: np.ndarray) -> np.ndarray:
     return np.take_along_axis(desc, idx.astype(np.int64), axis=1)
 
 
-def select(scores: np.ndarray, budget: int, pos: np.ndarray) -> np.ndarray:
-    """Per-head top-``budget`` of ``scores`` [Hkv, n]: kept cell indices ``[Hkv, B]``, ``B = min(budget, n)``.
+def top_cells_per_head(scores: np.ndarray, ks: np.ndarray, pos: np.ndarray) -> list[np.ndarray]:
+    """:func:`top_cells` with a different ``ks[h]`` per head: one array of cells per head, in no order."""
+    pos = np.broadcast_to(np.asarray(pos), scores.shape)
+    out: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * scores.shape[0]
+    for k in np.unique(ks):  # one top-k for all heads that share a k
+        heads = np.flatnonzero(ks == k)
+        for h, cells in zip(heads, top_cells(scores[heads], int(k), pos[heads])):
+            out[h] = cells
+    return out
 
-    Ties go to the later position; each head's cells are returned sorted by position (``pos``: [n] or
-    [Hkv, n]), the order slots are filled in. Scores must not be NaN.
+
+def select(scores: np.ndarray, budget, pos: np.ndarray, live: np.ndarray | None = None) -> np.ndarray:
+    """Per-head top of ``scores`` [Hkv, n]: kept cell indices ``[Hkv, B]``, each head's sorted by position.
+
+    ``budget``: one int or ``[Hkv]`` per-head budgets. Head ``h`` keeps ``min(budget[h], live[h].sum())``
+    cells (``live``: [Hkv, n], default all; empty rows are never kept). ``B`` is the most any head
+    keeps; a head that keeps fewer has its cells in the last slots and ``-1`` in the first ones. Ties
+    go to the later position; ``pos``: [n] or [Hkv, n]. Scores must not be NaN.
     """
     scores = np.asarray(scores, dtype=np.float32)
-    pos = np.asarray(pos, dtype=np.int64)
-    b = max(0, min(int(budget), scores.shape[1]))
-    cells = top_cells(scores, b, pos)
-    kept_pos = np.take_along_axis(np.broadcast_to(pos, scores.shape), cells, axis=1)
-    return np.take_along_axis(cells, np.argsort(kept_pos, axis=1, kind="stable"), axis=1)
+    hkv, n = scores.shape
+    pos = np.broadcast_to(np.asarray(pos, dtype=np.int64), (hkv, n))
+    n_live = np.full(hkv, n) if live is None else live.sum(axis=1)
+    if live is not None:
+        scores = np.where(live, scores, -np.inf)
+    budgets = np.clip(np.broadcast_to(np.asarray(budget, dtype=np.int64), (hkv,)), 0, n_live)
+    width = int(budgets.max(initial=0))
+    out = np.full((hkv, width), EMPTY, dtype=np.int64)
+    for h, cells in enumerate(top_cells_per_head(scores, budgets, pos)):
+        out[h, width - len(cells):] = cells[np.argsort(pos[h, cells], kind="stable")]
+    return out
 
 
 class Scorer:
@@ -212,14 +286,32 @@ class Scorer:
         return scores
 
     def keep(self, layer: LayerInputs, budget: int) -> np.ndarray:
-        b = min(int(budget), layer.n)
-        budgets = np.full(layer.n_kv, b, dtype=np.int64)
-        return select(self.rerank(layer, self.score(layer), budgets), b, layer.pos)
+        budgets = np.minimum(max(int(budget), 0), layer.n_live)
+        return select(self.rerank(layer, self.score(layer), budgets), budgets, layer.pos, layer.live)
+
+    def plan_layer(self, layer: LayerInputs, budget: int) -> LayerPlan:
+        """:meth:`keep` as a :class:`LayerPlan`; the kept rows' counts are carried where any is not 1."""
+        keep = self.keep(layer, budget)
+        return LayerPlan(keep=keep, counts=kept_counts(layer, keep))
 
 
-def plan_layers(scorer: Scorer, layers: Iterable[LayerInputs], budget: int) -> "Plan":
-    """The :class:`~kvlocal.compress.plan.Plan` of one compression event: ``scorer.keep`` for every layer."""
-    from kvlocal.compress.plan import Plan
+def kept_counts(layer: LayerInputs, keep: np.ndarray) -> np.ndarray | None:
+    """``[Hkv, B]`` counts of the kept cells ``keep`` (0 for ``-1``), or ``None`` if every live row counts 1."""
+    counts = layer.counts
+    if np.all(counts[layer.live] == 1):
+        return None
+    return np.where(keep >= 0, np.take_along_axis(counts, np.maximum(keep, 0), axis=1), 0)
 
-    layers = list(layers)
-    return Plan.from_keep([scorer.keep(layer, budget) for layer in layers], [layer.pos_h for layer in layers])
+
+def plan_layers(scorer: Scorer, layers: Iterable[LayerInputs], budget: int) -> Plan:
+    """The :class:`~kvlocal.compress.plan.Plan` of one compression event: ``scorer.plan_layer`` for every layer.
+
+    ``B`` is the most entries any head of any layer keeps (``<= budget`` for uniform methods, ``<=
+    int(max_share * budget)`` for AdaKV); heads with fewer get empty slots in front. ``layers`` may be
+    a generator: one layer's inputs at a time are held (only their positions are kept).
+    """
+    plans, positions = [], []
+    for layer in layers:
+        plans.append(scorer.plan_layer(layer, budget))
+        positions.append(layer.pos_h)
+    return Plan.from_layers(plans, positions)

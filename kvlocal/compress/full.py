@@ -11,13 +11,13 @@ from kvlocal.compress.base import LayerInputs, Scorer, select
 
 @dataclass
 class Full(Scorer):
-    """Keep everything: every cell scores ``+inf`` and the budget is always ``n``.
+    """Keep everything: every live cell scores ``+inf`` (empty rows ``-inf``) and the budget is always ``n``.
 
     No parameters. Useful as ``--method full`` (same engine path, no eviction) and in tests.
     """
 
     def score(self, layer: LayerInputs) -> np.ndarray:
-        return np.full((layer.n_kv, layer.n), np.inf, dtype=np.float32)
+        return np.where(layer.live, np.inf, -np.inf).astype(np.float32)
 
     def keep(self, layer: LayerInputs, budget: int) -> np.ndarray:
-        return select(self.score(layer), layer.n, layer.pos)
+        return select(self.score(layer), layer.n, layer.pos, layer.live)

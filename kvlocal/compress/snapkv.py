@@ -56,11 +56,11 @@ class SnapKV(Scorer):
         hkv, n = layer.n_kv, layer.n
         group = q.shape[0] // hkv
         votes = window_votes(q, q_pos, layer.k, layer.pos, layer.bias)  # [Hq, n], cell order
-        window = layer.window_mask(q_pos)
+        outside = layer.live & ~layer.window_mask(q_pos)  # empty rows are not pooled and stay -inf
         order = order_by_pos(layer.pos, hkv)  # [Hkv, n] cells in position order
         scores = np.full((hkv, n), -np.inf, dtype=np.float32)
         for g in range(hkv):
-            rows = order[g][~window[g, order[g]]]  # the prefix: cells before the window, in position order
+            rows = order[g][outside[g, order[g]]]  # the prefix: live cells before the window, in position order
             if rows.size:
                 pooled = kernels.pool1d(votes[g * group : (g + 1) * group, rows], self.kernel_size, self.pooling)
                 scores[g, rows] = pooled.mean(axis=0)  # [G, m] -> [m]
