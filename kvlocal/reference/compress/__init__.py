@@ -10,7 +10,9 @@ Eviction scorers follow one contract (see :mod:`.base`) and compose by wrapping:
     plan = scorer.plan(layer_kv, Observation(q=q_win, q_pos=q_pos, wo=o_proj_weight), budget)
     apply_keep(layer_kv, plan)        # or scorer.compress(...)
 
-Merging is separate: ``KVSlimmer().compress(layer_kv, obs, budget)`` (plan: :class:`MergePlan`).
+Merging is separate: ``KVSlimmer().compress(layer_kv, obs, budget)`` merges adjacent rows in rounds
+down to the budget (result: :class:`MergeGroups`); ``MeanMerge`` is the same with averaged keys, and
+``EvictThenMerge(CriticalKV(SnapKV()), KVSlimmer())`` evicts to a little more than the budget first.
 """
 
 from kvlocal.reference.compress.adakv import AdaKV, adakv_budgets
@@ -26,8 +28,11 @@ from kvlocal.reference.compress.base import (
     window_attention,
 )
 from kvlocal.reference.compress.criticalkv import CriticalKV, projected_value_norms, two_stage
+from kvlocal.reference.compress.evict_merge import EvictThenMerge, evict_budget
 from kvlocal.reference.compress.kvslimmer import (
     KVSlimmer,
+    MeanMerge,
+    MergeGroups,
     MergePlan,
     apply_merges,
     hessian_norms,
@@ -41,8 +46,11 @@ from kvlocal.reference.compress.streaming import StreamingLLM
 __all__ = [
     "AdaKV",
     "CriticalKV",
+    "EvictThenMerge",
     "KVSlimmer",
     "KeepPlan",
+    "MeanMerge",
+    "MergeGroups",
     "MergePlan",
     "Observation",
     "Scorer",
@@ -51,6 +59,7 @@ __all__ = [
     "adakv_budgets",
     "apply_keep",
     "apply_merges",
+    "evict_budget",
     "gather_rows",
     "hessian_norms",
     "live_mask",

@@ -12,14 +12,26 @@ from kvlocal.reference.compress.base import KeepPlan, Observation, Scorer, order
 from kvlocal.reference.compress.snapkv import SnapKV
 
 
-def flat_counts(scores: torch.Tensor, total: int, pos: torch.Tensor) -> torch.Tensor:
+def flat_counts(scores: torch.Tensor, total: int, pos: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
     """How many of the ``total`` best entries of the flattened [Hkv, S] scores fall in each head.
 
-    Ties (all protected rows score +inf) go to the later position, then to the lower head.
+    Only the entries where ``candidate`` [Hkv, S] is True take part. Ties (all protected rows score
+    +inf) go to the later position, then to the lower head.
     """
     hkv, s = scores.shape
-    order = order_desc(scores.reshape(1, -1), pos.reshape(1, -1))[0, :total]
-    return torch.bincount(order // s, minlength=hkv)
+    head = torch.arange(hkv)[:, None].expand(hkv, s)[candidate]  # head-major, as the flattened [Hkv, S]
+    order = order_desc(scores[candidate][None], pos[candidate][None])[0, :total]
+    return torch.bincount(head[order], minlength=hkv)
+
+
+def top_rows(scores: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:
+    """[Hkv, S] True for each head's ``k`` best live rows (fewer if it has fewer), ties to the later position."""
+    live = pos >= 0
+    order = order_desc(scores.masked_fill(~live, -math.inf), pos)
+    mask = torch.zeros_like(live)
+    for h in range(scores.shape[0]):
+        mask[h, order[h, : min(k, int(live[h].sum()))]] = True
+    return mask
 
 
 def largest_remainder(x: torch.Tensor, total: int) -> torch.Tensor:
@@ -32,8 +44,12 @@ def largest_remainder(x: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def adakv_budgets(scores: torch.Tensor, budget: int, pos: torch.Tensor, alpha: float = 0.2,
-                  mode: str = "floor") -> torch.Tensor:
+                  mode: str = "floor", max_share: float | None = 2.0) -> torch.Tensor:
     """Per-head budgets ``[Hkv]`` summing to ``Hkv * budget`` (``budget`` clipped to S).
+
+    Only live rows (``pos >= 0``) count, and only each head's best ``int(max_share * budget)`` of them
+    (``None``: no cap) take part in the flattened top-k, so no head gets more than that. With empty
+    rows the sum can fall short of ``Hkv * budget`` (not enough live candidates).
 
     ``mode="floor"`` (original AdaKV, docs/algorithms.md): ``c_h`` = the count of head ``h`` among the
     flattened top-``Hkv*B``; every head gets the floor ``int(alpha*B)`` and the remaining
@@ -45,21 +61,20 @@ def adakv_budgets(scores: torch.Tensor, budget: int, pos: torch.Tensor, alpha: f
     are set to +inf, then the budgets are the counts of the flattened top-``Hkv*B``.
     """
     hkv, s = scores.shape
-    budget = min(budget, s)
-    total = hkv * budget
-    if mode == "floor":
-        floor = int(alpha * budget)
-        counts = flat_counts(scores, total, pos).to(torch.float64)
-        share = counts * (budget - floor) / max(budget, 1)  # sums to Hkv*(B - floor)
-        return floor + largest_remainder(share, total - hkv * floor)
+    budget = max(0, min(budget, s))
+    if mode not in ("floor", "safeguard"):
+        raise ValueError(f"mode must be 'floor' or 'safeguard', got {mode!r}")
     if mode == "safeguard":
-        n_safe = max(1, int(alpha * budget))
-        safe = scores.clone()
-        order = order_desc(scores, pos)
-        for h in range(hkv):
-            safe[h, order[h, :n_safe]] = math.inf
-        return flat_counts(safe, total, pos)
-    raise ValueError(f"mode must be 'floor' or 'safeguard', got {mode!r}")
+        scores = scores.masked_fill(top_rows(scores, pos, max(1, int(alpha * budget))), math.inf)
+    candidate = top_rows(scores, pos, s if max_share is None else int(max_share * budget))
+    total = min(hkv * budget, int(candidate.sum()))
+    counts = flat_counts(scores, total, pos, candidate)
+    if mode == "safeguard":
+        return counts
+    floor = int(alpha * budget)
+    share = counts.to(torch.float64) * (budget - floor) / max(budget, 1)  # sums to Hkv*(B - floor)
+    budgets = floor + largest_remainder(share, hkv * (budget - floor))
+    return torch.minimum(budgets, (pos >= 0).sum(dim=1))
 
 
 @dataclass
@@ -80,12 +95,18 @@ class AdaKV(Scorer):
         Floor ratio (``mode="floor"``; original code default 0.2, "suggested with GQA"; README 0.5) or
         safeguard ratio (``mode="safeguard"``; kvpress default 0.2).
     mode : str
-        ``"floor"`` (original AdaKV, the default) or ``"safeguard"`` (kvpress).
+        ``"floor"`` (original AdaKV, the default) or ``"safeguard"`` (kvpress; with the defaults
+        ``alpha=0.2, max_share=2.0`` this is the engine's ``kvlocal.compress.AdaKV``).
+    max_share : float, optional
+        Cap: a head never gets more than ``int(max_share * budget)`` rows (only its best that many take
+        part in the flattened top-k). The engine needs it to bound the cells it allocates (at most
+        ``max_share * budget``); ``None``: no cap, as the original and kvpress.
     """
 
     press: Scorer = field(default_factory=SnapKV)
     alpha: float = 0.2
     mode: str = "floor"
+    max_share: float | None = 2.0
 
     def score(self, kv: LayerKV, obs: Observation) -> torch.Tensor:
         return self.press.score(kv, obs)
@@ -95,5 +116,5 @@ class AdaKV(Scorer):
 
     def plan(self, kv: LayerKV, obs: Observation, budget: int) -> KeepPlan:
         scores = self.press.score(kv, obs)
-        budgets = adakv_budgets(scores, budget, kv.pos, self.alpha, self.mode)
+        budgets = adakv_budgets(scores, budget, kv.pos, self.alpha, self.mode, self.max_share)
         return select(self.press.rerank(kv, obs, scores, budgets), budgets, kv.pos)

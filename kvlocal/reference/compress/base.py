@@ -16,7 +16,8 @@ The contract, documented once:
     and the per-head budgets ``[Hkv]``. The default returns ``scores`` unchanged; CriticalKV's
     two-stage selection depends on the budget and lives here.
 ``plan(kv, obs, budget) -> KeepPlan``
-    Uniform budget per head (``budget`` slots each), then :func:`select`. AdaKV overrides it.
+    Uniform budget per head (``budget`` rows each, at most the head's live rows), then :func:`select`.
+    AdaKV overrides it.
 ``compress(kv, obs, budget) -> KeepPlan``
     :meth:`plan` followed by :func:`apply_keep`, in place.
 
@@ -125,13 +126,14 @@ def sort_by_pos(idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 def select(scores: torch.Tensor, budgets: torch.Tensor | int, pos: torch.Tensor) -> KeepPlan:
     """Per-head top-k. scores: [Hkv, S]; budgets: [Hkv] or one int; pos: [Hkv, S].
 
-    Head ``h`` keeps its ``budgets[h]`` highest-scored slots (clipped to ``S``); ties go to the later
-    position. The kept indices are returned sorted by position.
+    Head ``h`` keeps its ``budgets[h]`` highest-scored slots (clipped to its live rows, ``pos >= 0``:
+    an empty row is never kept); ties go to the later position. The kept indices are returned sorted
+    by position.
     """
     hkv, s = scores.shape
     if isinstance(budgets, int):
         budgets = torch.full((hkv,), budgets, dtype=torch.int64)
-    budgets = budgets.to(torch.int64).clamp(0, s)
+    budgets = torch.minimum(budgets.to(torch.int64).clamp(min=0), (pos >= 0).sum(dim=-1))
     order = order_desc(scores, pos)  # [Hkv, S]
     keep = [sort_by_pos(order[h, : int(budgets[h])], pos[h]) for h in range(hkv)]
     return KeepPlan(keep=keep, budgets=budgets)
@@ -168,7 +170,7 @@ class Scorer:
         return scores
 
     def plan(self, kv: LayerKV, obs: Observation, budget: int) -> KeepPlan:
-        budgets = torch.full((kv.k.shape[0],), min(budget, kv.n_slots), dtype=torch.int64)
+        budgets = live_mask(kv).sum(dim=1).clamp(max=max(budget, 0))
         return select(self.rerank(kv, obs, self.score(kv, obs), budgets), budgets, kv.pos)
 
     def compress(self, kv: LayerKV, obs: Observation, budget: int) -> KeepPlan:

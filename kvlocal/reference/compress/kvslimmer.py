@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from kvlocal.reference.cache import LayerKV
-from kvlocal.reference.compress.base import Observation, gather_rows, live_mask, protected_mask, window_attention
+from kvlocal.reference.compress.base import (
+    Observation,
+    apply_keep,
+    gather_rows,
+    live_mask,
+    protected_mask,
+    select,
+    window_attention,
+)
 
 
 @dataclass
@@ -122,6 +131,39 @@ def apply_merges(kv: LayerKV, plan: MergePlan, max_count: int | None = None) -> 
 
 
 @dataclass
+class MergeGroups:
+    """What :meth:`KVSlimmer.compress` did to a layer, in terms of the rows it started from.
+
+    For KV head ``h`` and its ``r``-th live row afterwards (in position order): ``members[h][r]``, the
+    input rows it stands for (int64, position order; one row if it was not merged), and
+    ``weights[h][r]``, their key weights (float64, sum 1): the row's key is ``Σ_i w_i k_i`` of the input
+    keys (up to the float32 rounding of the intermediate keys). ``rounds``: the pair rounds, in slot
+    indices of the cache as it was at each round.
+    """
+
+    members: list[list[torch.Tensor]]
+    weights: list[list[torch.Tensor]]
+    rounds: list[MergePlan]
+
+
+Group = tuple[torch.Tensor, torch.Tensor]  # (input rows, key weights) that one row of the cache stands for
+NO_GROUP: Group = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float64))
+
+
+def groups_after_merges(groups: list[list[Group]], plan: MergePlan, n_slots: int) -> list[list[Group]]:
+    """The groups of every row after :func:`apply_merges` (row ``m`` takes ``m+1``'s members; ``m+1`` goes)."""
+    out = []
+    for rows, pairs, w in zip(groups, plan.pairs, plan.weights):
+        rows = list(rows)
+        for (m, n), (w1, w2) in zip(pairs.tolist(), w.tolist()):
+            rows[m] = (torch.cat([rows[m][0], rows[n][0]]), torch.cat([w1 * rows[m][1], w2 * rows[n][1]]))
+        gone = set(pairs[:, 1].tolist())
+        rows = [g for r, g in enumerate(rows) if r not in gone]
+        out.append(rows + [NO_GROUP] * (n_slots - len(rows)))
+    return out
+
+
+@dataclass
 class KVSlimmer:
     """Merge adjacent key pairs of low attention; closed-form key weights from forward quantities only.
 
@@ -130,11 +172,17 @@ class KVSlimmer:
     smoothed L1 proxy. Per KV head: ``alpha`` and ``o`` from the observation queries (:func:`slot_attention`);
     candidate rows are the live, unprotected rows (not the first ``n_sink`` positions, not at or after
     the first observation query) in position order; the non-overlapping adjacent pairs with the smallest
-    ``alpha_m + alpha_{m+1}`` are merged (:func:`select_pairs`) with :func:`merge_weights`. Each head
+    ``alpha_m + alpha_{m+1}`` are merged (:func:`select_pairs`) with :meth:`key_weights`. Each head
     picks its own pairs (the code shares pair positions across the heads of a layer). Not reproduced
     from the AsymKV/KVSlimmer code: the recency penalty ``exp(j/γ)``, overlapping pairs (which silently
     evict a token), the count clip at 5 (available as ``max_count``), the scalar pair-cardinality
     factor, the cross-chunk smoothing, the ``o`` built from summed values.
+
+    To reach a budget, :meth:`compress` merges in rounds: each round takes up to ``live - budget`` pairs
+    per head and recomputes ``alpha`` and ``o`` over the merged cache, until every head has at most
+    ``budget`` live rows; a merged row can merge again, so a row may stand for more than two tokens.
+    When no head over the budget has two candidates left (the sinks and the window fill the budget),
+    the rest is evicted: the candidates with the least ``alpha`` first, then protected rows, oldest first.
 
     Parameters
     ----------
@@ -148,28 +196,79 @@ class KVSlimmer:
     n_sink: int = 32
     max_count: int | None = None
 
-    def plan_pairs(self, kv: LayerKV, obs: Observation, n_pairs: int) -> MergePlan:
-        """Choose up to ``n_pairs`` pairs per head (fewer where a head has too few candidates)."""
+    def key_weights(self, a1, a2, v1, v2, o) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key weights of merged pairs: KVSlimmer's closed form (:func:`merge_weights`)."""
+        return merge_weights(a1, a2, v1, v2, o)
+
+    def plan_pairs(self, kv: LayerKV, obs: Observation, n_pairs) -> MergePlan:
+        """Choose up to ``n_pairs`` pairs per head (one int, or [Hkv]; fewer where a head has too few candidates)."""
         if obs.q is None or obs.q_pos is None:
             raise ValueError("KVSlimmer needs the observation queries obs.q and obs.q_pos")
         alpha, o = slot_attention(kv, obs.q, obs.q_pos)
         candidate = live_mask(kv) & ~protected_mask(kv, self.n_sink, obs.q_pos)
+        n_pairs = torch.as_tensor(n_pairs).expand(kv.pos.shape[0])
         pairs, weights = [], []
         for h in range(kv.pos.shape[0]):
             rows = torch.nonzero(candidate[h]).flatten()
             rows = rows[torch.argsort(kv.pos[h, rows], stable=True)]
-            i = select_pairs(alpha[h, rows], n_pairs)
+            i = select_pairs(alpha[h, rows], int(n_pairs[h]))
             m, n = rows[i], rows[i + 1]
-            w1, w2 = merge_weights(alpha[h, m], alpha[h, n], kv.v[h, m].float(), kv.v[h, n].float(), o[h])
+            w1, w2 = self.key_weights(alpha[h, m], alpha[h, n], kv.v[h, m].float(), kv.v[h, n].float(), o[h])
             pairs.append(torch.stack([m, n], dim=1))
             weights.append(torch.stack([w1, w2], dim=1))
         return MergePlan(pairs=pairs, weights=weights)
 
-    def plan(self, kv: LayerKV, obs: Observation, budget: int) -> MergePlan:
-        """Pairs that bring the slot count down to ``budget`` (``n_slots - budget`` per head)."""
-        return self.plan_pairs(kv, obs, max(0, kv.n_slots - budget))
+    def compress(self, kv: LayerKV, obs: Observation, budget: int) -> MergeGroups:
+        """Merge (in rounds, see the class docstring) until every head has at most ``budget`` live rows."""
+        if obs.q is None or obs.q_pos is None:
+            raise ValueError("KVSlimmer needs the observation queries obs.q and obs.q_pos")
+        start_pos = kv.pos.clone()
+        groups = [[(torch.tensor([r]), torch.ones(1, dtype=torch.float64)) if alive else NO_GROUP
+                   for r, alive in enumerate(row.tolist())] for row in live_mask(kv)]
+        rounds = []
+        while True:
+            live = live_mask(kv)
+            excess = (live.sum(dim=1) - budget).clamp(min=0)
+            if not excess.any():
+                break
+            protected = protected_mask(kv, self.n_sink, obs.q_pos)
+            n_pairs = torch.where((live & ~protected).sum(dim=1) >= 2, excess, 0)
+            if not n_pairs.any():  # nothing left to merge: evict, least attention first
+                alpha, _ = slot_attention(kv, obs.q, obs.q_pos)
+                keep = select(alpha.masked_fill(protected, math.inf).masked_fill(~live, -math.inf), budget, kv.pos)
+                groups = [[rows[r] for r in kept.tolist()] for rows, kept in zip(groups, keep.keep)]
+                apply_keep(kv, keep)
+                groups = [rows + [NO_GROUP] * (kv.n_slots - len(rows)) for rows in groups]
+                break
+            plan = self.plan_pairs(kv, obs, n_pairs)
+            apply_merges(kv, plan, self.max_count)
+            groups = groups_after_merges(groups, plan, kv.n_slots)
+            rounds.append(plan)
+        members, weights = [], []
+        for h, rows in enumerate(groups):
+            live_rows = torch.nonzero(live_mask(kv)[h]).flatten()
+            members.append([]), weights.append([])
+            for r in live_rows[torch.argsort(kv.pos[h, live_rows])].tolist():
+                cells, w = rows[r]
+                order = torch.argsort(start_pos[h, cells])
+                members[h].append(cells[order])
+                weights[h].append(w[order])
+        return MergeGroups(members=members, weights=weights, rounds=rounds)
 
-    def compress(self, kv: LayerKV, obs: Observation, budget: int) -> MergePlan:
-        plan = self.plan(kv, obs, budget)
-        apply_merges(kv, plan, self.max_count)
-        return plan
+    def plan(self, kv: LayerKV, obs: Observation, budget: int) -> MergeGroups:
+        """:meth:`compress` on a copy of ``kv`` (``kv`` is left as it is)."""
+        copy = LayerKV(kv.k.clone(), kv.v.clone(), kv.pos.clone(), kv.count.clone(), kv.bias.clone())
+        return self.compress(copy, obs, budget)
+
+
+@dataclass
+class MeanMerge(KVSlimmer):
+    """KVSlimmer's pairs and rounds with the plain average of the two keys (weights 1/2, 1/2).
+
+    The ablation of KVSlimmer's closed form: everything else (pair choice, count-weighted mean values,
+    ``log(count)`` bias) is the same.
+    """
+
+    def key_weights(self, a1, a2, v1, v2, o) -> tuple[torch.Tensor, torch.Tensor]:
+        half = torch.full(torch.as_tensor(a1).shape, 0.5, dtype=torch.float64)
+        return half, half.clone()
