@@ -253,7 +253,8 @@ def test_plan_json_round_trip():
 
 
 def test_make_scorer():
-    assert set(METHODS) == {"full", "streaming", "snapkv", "criticalkv"}
+    assert set(METHODS) == {"full", "streaming", "snapkv", "criticalkv", "adakv", "criticalkv+adakv",
+                            "kvslimmer", "meanmerge", "criticalkv+kvslimmer"}  # (the new ones: test_compress_merge.py)
     crit = make_scorer("criticalkv", window_size=16, epsilon=1e-3)
     assert isinstance(crit, CriticalKV) and crit.epsilon == 1e-3 and crit.press == SnapKV(window_size=16)
     assert make_scorer("snapkv", pooling="avg", kernel_size=5) == SnapKV(pooling="avg", kernel_size=5)

@@ -7,8 +7,15 @@ queries, ``W_O``) -> a :class:`Scorer` -> kept cells per KV head -> a :class:`Pl
 
     scorer = make_scorer("criticalkv")                     # CriticalKV(SnapKV())
     plan = plan_layers(scorer, layers, budget=1024)         # layers: one LayerInputs per layer
-    plan.keep[il]            # [Hkv, B] source cells per slot, per KV head, in position order
+    plan.keep[il]            # [Hkv, B] source cells per slot, per KV head, in position order (-1: empty)
     plan.slot_positions()    # [B] the position of every cell after the plan is applied
+    k, v, counts, bias = plan.materialize(k_cells, v_cells, counts_in)   # the rows to write (merges done)
+
+Methods (``METHODS``, the CLI's ``--method``): eviction (``full``, ``streaming``, ``snapkv``,
+``criticalkv``), head-adaptive budgets (``adakv``, ``criticalkv+adakv``: a head may take up to
+``max_share`` times the budget, so plans have up to ``max_share * budget`` slots), and merging
+(``kvslimmer``, ``meanmerge``, ``criticalkv+kvslimmer``: slots that stand for several tokens, with
+counts and a ``log(count)`` bias).
 
 The contract is documented once, in :mod:`kvlocal.compress.base`; the PyTorch reference of every
 scorer (``kvlocal.reference.compress``) keeps exactly the same sets (``tests/test_compress.py``).
@@ -18,23 +25,52 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvlocal.compress.adakv import AdaKV, head_budgets
 from kvlocal.compress.base import LayerInputs, Scorer, native_scoring, plan_layers, select, top_cells
 from kvlocal.compress.criticalkv import CriticalKV, projected_value_norms
+from kvlocal.compress.evict_merge import EvictThenMerge
 from kvlocal.compress.full import Full
-from kvlocal.compress.plan import Plan
+from kvlocal.compress.kvslimmer import KVSlimmer
+from kvlocal.compress.meanmerge import MeanMerge
+from kvlocal.compress.plan import LayerPlan, Plan
 from kvlocal.compress.snapkv import SnapKV
 from kvlocal.compress.streaming import StreamingLLM
 from kvlocal.errors import UsageError
 
+WRAPPED = {"press", "merger"}  # fields that hold another scorer, not hyperparameters
+
 
 def _fields(cls) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)}
+    return {f.name for f in dataclasses.fields(cls)} - WRAPPED
+
+
+def _own(kw: dict, cls) -> dict:
+    """Take ``cls``'s hyperparameters out of ``kw``."""
+    return {key: kw.pop(key) for key in list(kw) if key in _fields(cls)}
 
 
 def _criticalkv(**kw) -> CriticalKV:
     """``CriticalKV(SnapKV(...))``: CriticalKV's own parameters go to it, the others to SnapKV."""
-    own = {key: kw.pop(key) for key in list(kw) if key in _fields(CriticalKV) - {"press"}}
+    own = _own(kw, CriticalKV)
     return CriticalKV(press=SnapKV(**kw), **own)
+
+
+def _adakv(**kw) -> AdaKV:
+    """``AdaKV(SnapKV(...))``."""
+    own = _own(kw, AdaKV)
+    return AdaKV(press=SnapKV(**kw), **own)
+
+
+def _criticalkv_adakv(**kw) -> AdaKV:
+    """``AdaKV(CriticalKV(SnapKV(...)))``: kvpress's CriticalAdaKV."""
+    own = _own(kw, AdaKV)
+    return AdaKV(press=_criticalkv(**kw), **own)
+
+
+def _criticalkv_kvslimmer(**kw) -> EvictThenMerge:
+    """``EvictThenMerge(CriticalKV(SnapKV(...)), KVSlimmer())``."""
+    own = _own(kw, EvictThenMerge)
+    return EvictThenMerge(press=_criticalkv(**kw), merger=KVSlimmer(), **own)
 
 
 METHODS = {
@@ -42,14 +78,24 @@ METHODS = {
     "streaming": StreamingLLM,
     "snapkv": SnapKV,
     "criticalkv": _criticalkv,
+    "adakv": _adakv,
+    "criticalkv+adakv": _criticalkv_adakv,
+    "kvslimmer": KVSlimmer,
+    "meanmerge": MeanMerge,
+    "criticalkv+kvslimmer": _criticalkv_kvslimmer,
+}
+
+PARTS = {  # the classes whose hyperparameters a composed method takes
+    "criticalkv": (CriticalKV, SnapKV),
+    "adakv": (AdaKV, SnapKV),
+    "criticalkv+adakv": (AdaKV, CriticalKV, SnapKV),
+    "criticalkv+kvslimmer": (EvictThenMerge, CriticalKV, SnapKV),
 }
 
 
 def method_params(name: str) -> list[str]:
     """The hyperparameters ``make_scorer(name, ...)`` accepts."""
-    if name == "criticalkv":
-        return sorted((_fields(CriticalKV) - {"press"}) | _fields(SnapKV))
-    return sorted(_fields(METHODS[name]))
+    return sorted(set().union(*(_fields(cls) for cls in PARTS.get(name, (METHODS[name],)))))
 
 
 def make_scorer(name: str, **params) -> Scorer:
@@ -75,13 +121,19 @@ def make_scorer(name: str, **params) -> Scorer:
 
 __all__ = [
     "METHODS",
+    "AdaKV",
     "CriticalKV",
+    "EvictThenMerge",
     "Full",
+    "KVSlimmer",
     "LayerInputs",
+    "LayerPlan",
+    "MeanMerge",
     "Plan",
     "Scorer",
     "SnapKV",
     "StreamingLLM",
+    "head_budgets",
     "make_scorer",
     "method_params",
     "native_scoring",

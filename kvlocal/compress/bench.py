@@ -2,6 +2,7 @@
 
     python -m kvlocal.compress.bench                 # SmolLM2-135M shapes: 30 layers, 9/3 heads, d 64, D 576
     python -m kvlocal.compress.bench --n 4096 --budget 2048 --simd generic
+    python -m kvlocal.compress.bench --plan --n 1500 --budget 750   # one event's plan_layers, every method
 
 Random inputs of a real model's shapes (the timings do not depend on the values). Each step is timed
 per layer (median over layers and repeats) and for all layers (median over repeats); "numpy" replaces
@@ -20,8 +21,8 @@ import time
 import numpy as np
 
 from kvlocal import kernels
-from kvlocal.compress import numpy_ref
-from kvlocal.compress.base import LayerInputs, native_scoring, select
+from kvlocal.compress import make_scorer, numpy_ref
+from kvlocal.compress.base import LayerInputs, native_scoring, plan_layers, select
 from kvlocal.compress.criticalkv import CriticalKV
 from kvlocal.compress.snapkv import SnapKV
 
@@ -103,6 +104,25 @@ def steps(budget: int):
     ]
 
 
+PLAN_METHODS = ("snapkv", "criticalkv", "adakv", "criticalkv+adakv", "kvslimmer", "meanmerge", "criticalkv+kvslimmer")
+
+
+def plan_times(layers, budget: int, repeat: int, clock=time.perf_counter) -> None:
+    """Print, per method, the median time of one event's ``plan_layers`` over all layers, and its slots.
+
+    CriticalKV computes every projected value norm it needs (the engine carries them between events).
+    """
+    print(f"{'method':24s} {'plan ms (all layers)':>21s} {'ms/layer':>9s} {'slots B':>8s}")
+    for name in PLAN_METHODS:
+        scorer, times = make_scorer(name), []
+        for _ in range(repeat):
+            t0 = clock()
+            plan = plan_layers(scorer, layers, budget)
+            times.append(clock() - t0)
+        ms = 1e3 * float(np.median(times))
+        print(f"{name:24s} {ms:21.1f} {ms / len(layers):9.2f} {plan.n_slots:8d}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=30)
@@ -116,6 +136,7 @@ def main(argv=None) -> None:
     ap.add_argument("--simd", choices=kernels.SIMD_LEVELS, help="cap the kernels' instruction set")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: this process's CPU time (steadier on a shared machine; counts every BLAS thread)")
+    ap.add_argument("--plan", action="store_true", help="time one event's plan_layers for every method instead")
     args = ap.parse_args(argv)
     if args.simd:
         kernels.simd_level(args.simd)
@@ -124,8 +145,11 @@ def main(argv=None) -> None:
           f"d={args.head_dim}, D={args.hidden}, w={args.window}; kernels: {kernels.simd_level()}; {args.clock} clock")
     if not native_scoring():
         print("(at this level the scorers use numpy: only the two kernel rows compare C with numpy)")
-    print(f"{'step':56s} {'C ms/layer':>11s} {'numpy ms/layer':>15s} {'C all':>9s} {'numpy all':>10s} {'speed-up':>9s}")
     clock = time.perf_counter if args.clock == "wall" else time.process_time
+    if args.plan:
+        plan_times(layers, args.budget, args.repeat, clock)
+        return
+    print(f"{'step':56s} {'C ms/layer':>11s} {'numpy ms/layer':>15s} {'C all':>9s} {'numpy all':>10s} {'speed-up':>9s}")
     for name, fn in steps(args.budget):
         t = timed(fn, layers, args.repeat, clock)
         (c_layer, c_all), (n_layer, n_all) = t["C"], t["numpy"]
