@@ -5,6 +5,8 @@
     python ggml_patches/build.py --native        # -march=native (only where the CPU's advertised features work)
     python ggml_patches/build.py --cuda          # -DGGML_CUDA=on
     python ggml_patches/build.py --cmake-args="-DGGML_AVX512=on"
+    python ggml_patches/build.py --stock DIR     # the same build WITHOUT the patches, installed into DIR
+                                                 # (pip --target), for tests that compare against stock
 
 Steps: download the source package with pip (checked against its sha256), unpack it, apply
 ggml_patches/0*.patch to the vendored llama.cpp in order, build a wheel, install it into the running
@@ -82,19 +84,19 @@ def patches() -> list[Path]:
     return sorted(HERE.glob("[0-9][0-9][0-9][0-9]-*.patch"))
 
 
-def build_key(cmake_args: list[str]) -> str:
+def build_key(cmake_args: list[str], stock: bool = False) -> str:
     h = hashlib.sha256(SDIST_SHA256.encode())
-    for p in patches():
+    for p in [] if stock else patches():
         h.update(p.name.encode() + p.read_bytes())
     h.update(" ".join(cmake_args).encode())
     h.update(f"{sys.version_info[0]}.{sys.version_info[1]}".encode())
     return h.hexdigest()[:16]
 
 
-def apply_patches(tree: Path) -> None:
+def apply_patches(tree: Path, stock: bool = False) -> None:
     llama = tree / "vendor" / "llama.cpp"
     (llama / ".git").unlink(missing_ok=True)  # a submodule pointer that git apply would trip over
-    for p in patches():
+    for p in [] if stock else patches():
         step(f"applying {p.name}")
         if shutil.which("patch"):
             cmd, cwd = ["patch", "-p1", "--forward", "--batch", "-i", str(p)], llama
@@ -105,12 +107,12 @@ def apply_patches(tree: Path) -> None:
             fail(f"{p.name} does not apply to the vendored llama.cpp:\n{r.stdout}{r.stderr}")
 
 
-def build_wheel(sdist: Path, cmake_args: list[str], out: Path, jobs: int) -> Path:
+def build_wheel(sdist: Path, cmake_args: list[str], out: Path, jobs: int, stock: bool = False) -> Path:
     with tempfile.TemporaryDirectory(prefix="kvlocal-build-") as tmp:
         with tarfile.open(sdist) as tar:
             tar.extractall(tmp, filter="data")
         tree = Path(tmp) / f"llama_cpp_python-{VERSION}"
-        apply_patches(tree)
+        apply_patches(tree, stock)
         env = dict(os.environ, CMAKE_ARGS=" ".join(cmake_args), CMAKE_BUILD_PARALLEL_LEVEL=str(jobs))
         step(f"compiling llama.cpp ({' '.join(cmake_args)}); this takes several minutes")
         out.mkdir(parents=True, exist_ok=True)
@@ -131,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cmake-args", default="", help="extra CMake flags, appended last")
     ap.add_argument("--rebuild", action="store_true", help="ignore a cached wheel")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--stock", metavar="DIR", help="build without the patches and install into DIR (pip --target), "
+                    "not into this Python: the unpatched runtime that tests compare against")
     args = ap.parse_args(argv)
 
     cmake_args = ["-DGGML_NATIVE=ON" if args.native else "-DGGML_NATIVE=OFF", *BASE_CMAKE]
@@ -139,14 +143,21 @@ def main(argv: list[str] | None = None) -> int:
     cmake_args += os.environ.get("CMAKE_ARGS", "").split() + args.cmake_args.split()
 
     cache = cache_dir()
-    wheel_dir = cache / "wheels" / build_key(cmake_args)
+    stock = args.stock is not None
+    wheel_dir = cache / "wheels" / (("stock-" if stock else "") + build_key(cmake_args, stock))
     wheels = list(wheel_dir.glob("llama_cpp_python-*.whl"))
     if wheels and not args.rebuild:
         step(f"using the cached build {wheels[0]}")
         wheel = wheels[0]
     else:
         shutil.rmtree(wheel_dir, ignore_errors=True)
-        wheel = build_wheel(fetch_sdist(cache / "src"), cmake_args, wheel_dir, args.jobs)
+        wheel = build_wheel(fetch_sdist(cache / "src"), cmake_args, wheel_dir, args.jobs, stock)
+    if stock:
+        step(f"installing the unpatched build into {args.stock}")
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--upgrade", "--target", args.stock, str(wheel)]
+        if subprocess.run(cmd).returncode:
+            fail(f"pip could not install the unpatched wheel into {args.stock}")
+        return 0
     step("installing")
     cmd = [sys.executable, "-m", "pip", "install", "--force-reinstall", "--no-deps", "-q", str(wheel)]
     deps = [sys.executable, "-m", "pip", "install", "-q", "numpy>=1.20", "typing-extensions>=4.5", "diskcache>=5.6.1", "jinja2>=2.11.3"]

@@ -83,9 +83,11 @@ def cmd_pull(args) -> int:
 
 
 def _budget_args(p: argparse.ArgumentParser) -> None:
+    from .compress import METHODS
+
     p.add_argument("--budget", default="0.1",
                    help="KV budget: a ratio in (0, 1] of the tokens seen (default 0.1) or a cell count like 2048")
-    p.add_argument("--method", default="criticalkv", help="full, streaming, snapkv or criticalkv (default)")
+    p.add_argument("--method", default="criticalkv", help=f"{', '.join(METHODS)} (default criticalkv; docs/algorithms.md)")
     p.add_argument("--chunk", type=int, default=128,
                    help="least prefill chunk in tokens: n_ctx = budget + chunk + window, padded by llama.cpp (default 128)")
     p.add_argument("--window", type=int, default=32, help="recent tokens always kept; probe length (default 32)")

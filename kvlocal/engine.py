@@ -54,7 +54,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .compress import LayerInputs, Plan, make_scorer
+from .compress import LayerInputs, Plan, make_scorer, plan_layers
 from .errors import UsageError
 from .gguf_file import dequantize_tensor, read_gguf
 from .runtime import Context, Model
@@ -230,11 +230,15 @@ class Engine:
         floor = n_sink + window
         # a budget above what the session may see is just the full cache
         self.budget_cells = max_tokens if method == "full" else min(budget.cells_for(max_tokens, floor), max_tokens)
+        # the cells a compression may leave: the budget, or more where heads share it unevenly (AdaKV:
+        # a layer's cells hold its widest head, the others' surplus slots are masked out by a -inf bias)
+        self.slot_cells = min(int(getattr(self.scorer, "max_share", 1.0) * self.budget_cells), max_tokens)
+        self._settled = self.budget_cells  # cells right after the latest compression (the budget before any)
         # llama.cpp pads n_ctx (to 256 cells here); prefill chunks then fill whatever is free, so the
         # effective chunk is n_ctx - budget - probe >= chunk
         headroom = 0 if method == "full" else chunk + window
         self.capture = QueryCapture.for_model(m)
-        n_ctx = self.budget_cells + headroom
+        n_ctx = self.slot_cells + headroom
         if m.arch.has_swa:  # the sliding cache shares n_ctx: it must hold the window and a chunk with its probe
             n_ctx = max(n_ctx, m.arch.n_swa + chunk + window)
         self.ctx = Context(m, n_ctx=n_ctx, n_batch=min(n_ctx, 2048), n_threads=n_threads,
@@ -258,12 +262,13 @@ class Engine:
         self._slot_pos = np.zeros(0, dtype=np.int64)
         self._slot_true = np.zeros((n_cl, m.n_head_kv, 0), dtype=np.int64)
         self._slot_vnorm = np.zeros((n_cl, m.n_head_kv, 0), dtype=np.float32)
+        self._slot_count = np.zeros((n_cl, m.n_head_kv, 0), dtype=np.int64)  # source tokens per row (0: empty)
         self.last_plan: Plan | None = None  # the latest compression event's plan (its layers: self.layers)
         self.prompt_plan: Plan | None = None  # the plan in effect when the prompt ended (--dump-plan)
         self.last_probe: list[int] = []  # the tokens whose queries scored the latest event
         self._probe: list[int] | None = None  # the probe of the last prefill/append
         self._reply: list[int] = []  # tokens generated since the last prefill/append
-        self._wo = output_projections(str(m.path)) if method == "criticalkv" else None
+        self._wo = output_projections(str(m.path)) if "criticalkv" in method else None
 
     # -- public API ---------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int], probe: Sequence[int] | None = None) -> np.ndarray:
@@ -288,7 +293,7 @@ class Engine:
             chunk = list(tokens[i:i + room])
             observed = self._decode_chunk(chunk, probe)
             i += len(chunk)
-        if self.live_cells() > self.budget_cells:
+        if self.live_cells() > self._settled:
             self._compress(probe, observed)
         self.stats.prompt_tokens += len(tokens)
         if self.prompt_plan is None:
@@ -338,7 +343,7 @@ class Engine:
     @property
     def slack(self) -> int:
         """Cells past the budget that chunks and decoding may fill before the next compression."""
-        return self.ctx.n_ctx - self.budget_cells - self.cfg.window
+        return self.ctx.n_ctx - self.slot_cells - self.cfg.window
 
     def live_cells(self) -> int:
         return self.stats.kv_cells_live
@@ -396,7 +401,7 @@ class Engine:
         that a sliding-window cache only reuses cells relative to a real token), capture its queries,
         and remove it. Returns the observation (queries, positions) or None."""
         p0 = self.n_past
-        with_probe = self.cfg.method != "full" and self.live_cells() + len(chunk) > self.budget_cells
+        with_probe = self.cfg.method != "full" and self.live_cells() + len(chunk) > self._settled
         with self._rollback():
             if not with_probe:
                 self.logits = self._decode(chunk, range(p0, p0 + len(chunk)), "last")
@@ -464,33 +469,35 @@ class Engine:
         q, q_pos = observed if observed is not None else self._observe(probe)
         t1 = clock()
         kv = read_seq(self.ctx)
-        true = self._true_positions(kv.pos)
+        true = self._true_positions(kv.pos)  # -1 for the empty rows of a head
         # projected value norms depend only on a row and W_O: carry them over for rows that stay
         n_cl, hkv = len(self.layers), self.model.n_head_kv
         vnorm = self._carry(kv.pos, self._slot_vnorm, np.full((n_cl, hkv, kv.n), np.nan, np.float32))
+        counts = self._carry(kv.pos, self._slot_count, np.ones((n_cl, hkv, kv.n), np.int64))
         t2 = clock()
-        keep = []
         host = kv.blob.nbytes if kv.blob is not None else 0
-        for i, il in enumerate(self.layers):  # i: index in the compressed cache, il: the model's layer
-            inputs = LayerInputs(
-                k=kv.k[i].transpose(1, 0, 2).astype(np.float32),  # [Hkv, n, d]
-                v=kv.v[i].transpose(1, 0, 2).astype(np.float32),
-                pos=true[i],  # [Hkv, n]
-                q=q[i] * self._q_scale,
-                q_pos=q_pos,
-                wo=self._wo[il] if self._wo is not None else None,
-                layer=il,
-                n_sink=self.cfg.n_sink,
-                window=self.cfg.window,  # the probe is not cached: protect the most recent rows instead
-                vnorm=vnorm[i],  # CriticalKV fills in the ones it computes
-            )
-            keep.append(self.scorer.keep(inputs, budget))  # [Hkv, budget] cell indices, position order
-            if i == 0:
-                host += inputs.k.nbytes + inputs.v.nbytes
-        plan = Plan.from_keep(keep, true)
+
+        def layer_inputs():
+            for i, il in enumerate(self.layers):  # i: index in the compressed cache, il: the model's layer
+                yield LayerInputs(
+                    k=kv.k[i].transpose(1, 0, 2).astype(np.float32),  # [Hkv, n, d]
+                    v=kv.v[i].transpose(1, 0, 2).astype(np.float32),
+                    pos=true[i],  # [Hkv, n]
+                    q=q[i] * self._q_scale,
+                    q_pos=q_pos,
+                    wo=self._wo[il] if self._wo is not None else None,
+                    layer=il,
+                    n_sink=self.cfg.n_sink,
+                    window=self.cfg.window,  # the probe is not cached: protect the most recent rows instead
+                    bias=count_bias(counts[i]),  # log(count) of merged rows, -inf for empty ones
+                    vnorm=vnorm[i],  # CriticalKV fills in the ones it computes
+                )
+
+        plan = plan_layers(self.scorer, layer_inputs(), budget)
+        host += 2 * kv.k[0].size * 4  # one layer's K and V in float32 at a time
         self.last_plan = plan
         t3 = clock()
-        self._apply(kv, plan, vnorm)
+        self._apply(kv, plan, vnorm, counts)
         t4 = clock()
         self.stats.host_bytes_peak = max(self.stats.host_bytes_peak, host)
         self.stats.wo_cache_bytes = self._wo.nbytes if self._wo is not None else 0
@@ -499,17 +506,21 @@ class Engine:
         for name, dt in (("observe", t1 - t0), ("read", t2 - t1), ("score", t3 - t2), ("apply", t4 - t3)):
             self.stats.compression_breakdown[name] = self.stats.compression_breakdown.get(name, 0.0) + dt
 
-    def _apply(self, kv: SeqKV, plan: Plan, vnorm: np.ndarray) -> None:
+    def _apply(self, kv: SeqKV, plan: Plan, vnorm: np.ndarray, counts: np.ndarray) -> None:
+        """Write the plan's rows into the cells: kept rows as they are, merged ones combined
+        (:meth:`Plan.materialize`), each with its bias (``log(count)``, ``-inf`` for an empty slot)."""
         slot_pos = plan.slot_positions()
-        k, v = [], []
-        for il, rows in enumerate(plan.keep):  # rows: [Hkv, B] source cells per head
-            heads = np.arange(rows.shape[0])[:, None]
-            k.append(kv.k[il][rows, heads].transpose(1, 0, 2))  # [B, Hkv, d]
-            v.append(kv.v[il][rows, heads].transpose(1, 0, 2))
+        k, v, slot_counts, bias = plan.materialize(kv.k, kv.v, counts)
+        # cell-major rows for the state; no bias section at all while every slot holds one plain token
+        cell_bias = [b.T for b in bias] if np.any(slot_counts != 1) else None
+        # projected value norms stay valid for rows copied unchanged
+        kept = np.take_along_axis(vnorm, np.maximum(plan.keep, 0), axis=2)
+        kept[(plan.keep < 0) | merged_slots(plan)] = np.nan
         # the cells and the engine's record of them change together: a Ctrl-C waits for both
         with interrupts_deferred():
             try:
-                write_seq(self.ctx, dataclasses.replace(kv, pos=slot_pos.astype(np.int32), k=k, v=v, blob=None),
+                write_seq(self.ctx, dataclasses.replace(kv, pos=slot_pos.astype(np.int32), k=k, v=v, blob=None,
+                                                        bias=cell_bias),
                           previous=kv.blob)
             except CacheLost as e:
                 self._broken = str(e)
@@ -517,8 +528,10 @@ class Engine:
             finally:
                 self._note_live()
             self._slot_pos = slot_pos.astype(np.int64)
-            self._slot_true = plan.positions  # [n_layer, Hkv, B]
-            self._slot_vnorm = np.take_along_axis(vnorm, plan.keep, axis=2)
+            self._slot_true = plan.positions  # [n_layer, Hkv, B], -1 for empty slots
+            self._slot_vnorm = kept
+            self._slot_count = slot_counts
+            self._settled = max(self.budget_cells, plan.n_slots)
 
 
 @contextlib.contextmanager
@@ -547,6 +560,25 @@ def interrupts_deferred(on_signal=None):
         signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
     if pending:
         raise KeyboardInterrupt
+
+
+def count_bias(counts: np.ndarray) -> np.ndarray | None:
+    """The attention bias of rows standing for ``counts`` tokens: ``log(count)``, ``-inf`` for an empty
+    row (0); None while every row is one plain token."""
+    if np.all(counts == 1):
+        return None
+    with np.errstate(divide="ignore"):
+        return np.log(counts.astype(np.float32))
+
+
+def merged_slots(plan: Plan) -> np.ndarray:
+    """``[n_layer, Hkv, B]`` True for the slots a plan fills by merging."""
+    out = np.zeros(plan.keep.shape, dtype=bool)
+    for il, heads in enumerate(plan.merges or []):
+        for h, m in enumerate(heads or []):
+            if m is not None and len(m["slots"]):
+                out[il, h, np.asarray(m["slots"], dtype=np.int64)] = True
+    return out
 
 
 def pad_cells(n: int) -> int:

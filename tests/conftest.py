@@ -30,6 +30,24 @@ def _pulled(name: str) -> Path:
 
 
 @pytest.fixture(scope="session")
+def stock_runtime() -> Path:
+    """llama-cpp-python built from the same source WITHOUT kvlocal's patches, installed in its own folder
+    (``ggml_patches/build.py --stock``): what the patched runtime must match bit for bit where it adds
+    nothing. Built on first use under CI or with KVLOCAL_BUILD_STOCK=1 (a full llama.cpp build, ~9
+    minutes on 2 cores), else the tests that need it skip with the command to run."""
+    sys.path.insert(0, str(REPO / "ggml_patches"))
+    from build import cache_dir
+
+    target = cache_dir() / "stock-runtime"
+    if not (target / "llama_cpp").is_dir():
+        cmd = [sys.executable, str(REPO / "ggml_patches" / "build.py"), "--stock", str(target)]
+        if os.environ.get("CI", "").lower() != "true" and os.environ.get("KVLOCAL_BUILD_STOCK") != "1":
+            pytest.skip(f"no unpatched runtime to compare with: run `{' '.join(cmd)}` (or set KVLOCAL_BUILD_STOCK=1)")
+        subprocess.run(cmd, check=True, timeout=3600)
+    return target
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> Path:
     return _pulled("smollm2-135m")
 

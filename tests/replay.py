@@ -8,9 +8,11 @@ import numpy as np
 
 
 def keep_positions(cache, kept_for) -> None:
-    """Keep, in every layer and KV head of a reference cache, the rows at the source positions
-    ``kept_for(il, h, held)`` returns (``held``: the positions the head holds). A position that is not
-    held is a bookkeeping bug of the engine's plan."""
+    """Keep, in every layer and KV head of a reference cache, what ``kept_for(il, h, held)`` says
+    (``held``: the positions the head holds): an array of source positions, or ``(positions, groups)``
+    where each group ``(members, weights)`` is merged into one row by the reference's rule (key
+    ``Σ w_i k_i``, value the count-weighted mean, count ``Σ c_i``, bias ``log(count)``, the latest
+    member's position). A position that is not held is a bookkeeping bug of the engine's plan."""
     import torch
 
     from kvlocal.reference.compress import gather_rows
@@ -20,11 +22,32 @@ def keep_positions(cache, kept_for) -> None:
         for h in range(layer.pos.shape[0]):
             held = layer.pos[h].numpy()
             index = {int(p): i for i, p in enumerate(held) if p >= 0}
-            want = [int(p) for p in kept_for(il, h, held[held >= 0])]
-            missing = [p for p in want if p not in index]
+            want = kept_for(il, h, held[held >= 0])
+            singles, groups = want if isinstance(want, tuple) else (want, ())
+            wanted = [int(p) for p in singles] + [int(p) for members, _ in groups for p in members]
+            missing = [p for p in wanted if p not in index]
             assert not missing, f"layer {il} head {h}: keeps positions {missing[:8]} the cache does not hold"
-            rows.append(torch.tensor([index[p] for p in want], dtype=torch.int64))
+            keep = [index[int(p)] for p in singles]
+            for members, weights in groups:
+                keep.append(merge_rows(layer, h, [index[int(p)] for p in members], weights))
+            keep.sort(key=lambda r: int(layer.pos[h, r]))
+            rows.append(torch.tensor(keep, dtype=torch.int64))
         gather_rows(layer, rows)
+
+
+def merge_rows(layer, h: int, rows: list[int], weights) -> int:
+    """Merge rows of KV head ``h`` into the one holding the latest position; returns that row."""
+    import torch
+
+    rows_t = torch.tensor(rows, dtype=torch.int64)
+    w = torch.as_tensor(np.asarray(weights, dtype=np.float32))
+    c = layer.count[h, rows_t].to(torch.float32)
+    target = rows[int(torch.argmax(layer.pos[h, rows_t]))]
+    layer.k[h, target] = (w[:, None] * layer.k[h, rows_t].to(torch.float32)).sum(0).to(layer.k.dtype)
+    layer.v[h, target] = ((c[:, None] * layer.v[h, rows_t].to(torch.float32)).sum(0) / c.sum()).to(layer.v.dtype)
+    layer.count[h, target] = int(c.sum())
+    layer.bias[h, target] = float(np.log(float(c.sum())))
+    return target
 
 
 def replay(ref, tokens: list[int], n_prompt: int, events: list, before_event=None) -> np.ndarray:

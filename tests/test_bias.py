@@ -150,3 +150,38 @@ def test_bias_bad_input(smollm2_model, prompt):
     kv.bias = [np.full((kv.n, smollm2_model.n_head_kv), np.nan, np.float32)] * n_layers(smollm2_model)
     with pytest.raises(ValueError, match="not NaN"):
         write_seq(ctx, kv)
+
+
+STOCK_SCRIPT = r"""
+import sys, numpy as np
+from kvlocal.runtime import Context, Model
+from kvlocal.runtime.library import runtime_info
+assert not runtime_info().patched, runtime_info().describe()
+model = Model(sys.argv[1])
+cache, last = [int(t) for t in sys.argv[3].split(",")], int(sys.argv[4])
+out = {}
+for fa in (False, True):
+    ctx = Context(model, n_ctx=256, flash_attn=fa)
+    ctx.decode(cache, logits="none")
+    out[f"fa{int(fa)}"] = ctx.decode([last], [len(cache)])
+np.savez(sys.argv[2], **out)
+"""
+
+
+def test_patched_runtime_matches_stock_bit_for_bit(smollm2, smollm2_model, prompt, stock_runtime, tmp_path):
+    """Without a bias the patched llama.cpp computes exactly what the unpatched one does (FA off and on):
+    the same prompt through ``ggml_patches/build.py --stock`` in a subprocess gives the same logits bits."""
+    import os
+    import subprocess
+    import sys
+
+    cache, last = prompt
+    out = tmp_path / "stock.npz"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(stock_runtime), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-c", STOCK_SCRIPT, str(smollm2), str(out), ",".join(map(str, cache)), str(last)],
+                   check=True, env=env, timeout=600)
+    stock = np.load(out)
+    for fa in (False, True):
+        ctx = cached(smollm2_model, cache, fa)
+        mine = ctx.decode([last], [len(cache)])
+        assert np.array_equal(mine, stock[f"fa{int(fa)}"]), (fa, float(np.abs(mine - stock[f"fa{int(fa)}"]).max()))

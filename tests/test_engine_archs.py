@@ -72,7 +72,10 @@ N_SWA = 16  # gemma3's sliding window: far shorter than the prompt, so the slidi
 # name -> write_tiny arguments
 ARCHS = {"llama": dict(arch="llama", rope_freqs=True), "qwen2": dict(arch="qwen2"), "qwen3": dict(arch="qwen3"),
          "gemma3": dict(arch="gemma3", n_swa=N_SWA, swa_pattern=3)}
-METHODS = ("streaming", "snapkv", "criticalkv")
+METHODS = ("streaming", "snapkv", "criticalkv", "adakv", "criticalkv+adakv", "kvslimmer", "meanmerge",
+           "criticalkv+kvslimmer")
+MERGING = ("kvslimmer", "meanmerge", "criticalkv+kvslimmer")  # plans with merged slots (counts > 1)
+HEAD_BUDGETS = ("adakv", "criticalkv+adakv")  # plans whose heads keep different numbers of entries
 N_PROMPT, N_DECODE = 600, 200
 BUDGET, CHUNK, WINDOW, N_SINK = 64, 32, 16, 4
 INPUTS_EVENT = 1  # the event whose scorer inputs are checked: a prefill event over an already compressed cache
@@ -101,8 +104,8 @@ class _RecordingScorer:
     def __init__(self, inner, owner):
         self.inner, self.owner = inner, owner
 
-    def keep(self, inputs, budget: int) -> np.ndarray:
-        out = self.inner.keep(inputs, budget)
+    def plan_layer(self, inputs, budget: int):
+        out = self.inner.plan_layer(inputs, budget)
         if len(self.owner.events) == self.owner.inputs_of:
             self.owner.inputs.append(inputs)
         return out
@@ -169,24 +172,40 @@ def keeper(layers: tuple[int, ...], n_swa: int, n_past: int, compressed):
     return kept_for
 
 
+def plan_rows(plan: Plan, i: int, h: int):
+    """What head ``h`` of compressed layer ``i`` keeps: ``(positions of its plain slots, merged groups
+    (member positions, key weights))``; empty slots (``-1``) are skipped."""
+    pos = plan.positions[i, h]
+    plain = pos >= 0
+    groups = []
+    merges = plan.merges[i][h] if plan.merges is not None and plan.merges[i] is not None else None
+    if merges is not None:
+        for slot, members, weights in zip(merges["slots"], merges["positions"], merges["weights"]):
+            members, weights = np.asarray(members), np.asarray(weights)
+            groups.append((members[members >= 0], weights[members >= 0]))
+            plain[int(slot)] = False
+    return pos[plain], groups
+
+
 def plan_keeper(plan: Plan):
-    return lambda i, h, held: plan.positions[i, h]
+    return lambda i, h, held: plan_rows(plan, i, h)
 
 
 def swapped_keeper(plan: Plan):
-    """The engine's kept sets given to the wrong KV heads (head h keeps what head h+1 kept)."""
-    return lambda i, h, held: plan.positions[i, (h + 1) % plan.n_kv]
+    """The engine's plans given to the wrong KV heads (head h keeps and merges what head h+1 did)."""
+    return lambda i, h, held: plan_rows(plan, i, (h + 1) % plan.n_kv)
 
 
 def random_keeper(plan: Plan, rng):
-    """Another plan of the same size: the sinks and the WINDOW most recent positions (as the engine keeps
-    them), the rest drawn at random from what the head holds."""
+    """Another plan of the same size: as many entries per head, the sinks and the WINDOW most recent
+    positions (as the engine keeps them), the rest drawn at random from what the head holds; no merges."""
 
     def kept_for(i, h, held):
         held = np.sort(held)
         fixed = held[(held < N_SINK) | (held >= held[-WINDOW])]
         rest = np.setdiff1d(held, fixed)
-        return np.sort(np.concatenate([fixed, rng.choice(rest, plan.n_slots - len(fixed), replace=False)]))
+        n = int((plan.positions[i, h] >= 0).sum())
+        return np.sort(np.concatenate([fixed, rng.choice(rest, max(0, n - len(fixed)), replace=False)]))
 
     return kept_for
 
@@ -318,8 +337,8 @@ class Runs:
                 at_event.update(cache=copy.deepcopy(cache), q=[x.numpy() for x in q])
             for j, il in enumerate(layers):
                 for h in range(model.n_head_kv):
-                    mine = cache[il].pos[h].numpy()
-                    if set(mine[mine >= 0].tolist()) != set(ev.held[j, h].tolist()):
+                    mine, held = cache[il].pos[h].numpy(), ev.held[j, h]
+                    if set(mine[mine >= 0].tolist()) != set(held[held >= 0].tolist()):  # -1: an empty row
                         mismatched.append((i, il, h))
 
         def story(make):
@@ -329,7 +348,7 @@ class Runs:
         rng = np.random.default_rng(0)
         other = replay(ref, tokens, N_PROMPT, story(lambda p: random_keeper(p, rng)))
         swapped = replay(ref, tokens, N_PROMPT, story(swapped_keeper)) if method != "streaming" else None
-        scoring = scorer_inputs(eng, ref, at_event, method) if method != "streaming" else None
+        scoring = scorer_inputs(eng, ref, at_event, method) if method in ("snapkv", "criticalkv") else None
         return dict(engine=eng, logits=engine, mismatched=mismatched, scoring=scoring,
                     same=compare_logits(engine, same), other=compare_logits(engine, other),
                     swapped=None if swapped is None else compare_logits(engine, swapped),
@@ -394,26 +413,41 @@ def test_kept_sets_are_plausible(runs, arch, method):
     eng = runs.run(arch, method)["engine"]
     hkv = eng.model.n_head_kv
     heads_differ = middle = 0
+    merged = uneven = 0
     for e in eng.events:
         p = e.plan.positions  # [n_compressed_layer, Hkv, B]
-        assert p.shape == (len(eng.layers), hkv, BUDGET), p.shape
-        assert np.all(np.diff(p, axis=2) > 0), "kept positions must increase strictly per head"
-        assert p.min() >= 0 and p.max() < e.n_past, (p.min(), p.max(), e.n_past)
-        for j in range(p.shape[0]):  # every kept position was held (true positions the event scored)
+        entries = (p >= 0).sum(axis=2)  # per layer and head
+        if method in HEAD_BUDGETS:  # a layer's heads share Hkv * BUDGET entries; the widest sets the cells
+            assert np.all(entries.sum(axis=1) == hkv * BUDGET) and p.shape[2] == entries.max() <= 2 * BUDGET
+            uneven += int((entries != BUDGET).sum())
+        else:
+            assert p.shape == (len(eng.layers), hkv, BUDGET) and np.all(entries == BUDGET), p.shape
+        for j in range(p.shape[0]):
             for h in range(hkv):
-                assert np.isin(p[j, h], e.held[j, h]).all(), (e.n_past, j, h)
+                plain, groups = plan_rows(e.plan, j, h)
+                row = p[j, h][p[j, h] >= 0]  # empty slots come first, then strictly increasing positions
+                assert np.all(p[j, h][:p.shape[2] - len(row)] < 0) and np.all(np.diff(row) > 0)
+                assert row.max() < e.n_past and np.all(row[:N_SINK] == np.arange(N_SINK)), (row, e.n_past)
+                members = np.concatenate([plain] + [m for m, _ in groups])
+                assert np.isin(members, e.held[j, h]).all(), (e.n_past, j, h)  # every source row was held
+                assert len(np.unique(members)) == len(members)  # and used once
+                for m, w in groups:  # a merged slot: >= 2 members, key weights summing to 1
+                    assert len(m) >= 2 and abs(float(np.sum(w)) - 1) < 1e-5 and m.min() >= N_SINK, (m, w)
+                    assert m.max() < e.n_past - WINDOW, m  # the recent window is never merged
+                merged += len(groups)
         # every method keeps the sinks and the WINDOW most recent tokens in every layer and head
-        assert np.all(p[:, :, :N_SINK] == np.arange(N_SINK))
         assert np.all(p[:, :, -WINDOW:] == np.arange(e.n_past - WINDOW, e.n_past))
         recent = np.concatenate([np.arange(N_SINK), np.arange(e.n_past - (BUDGET - N_SINK), e.n_past)])
         if method == "streaming":  # exactly the sinks and the most recent cells
             assert np.all(p == recent), e.n_past
         else:
             heads_differ += int(sum(not np.array_equal(p[j, 0], p[j, h]) for j in range(p.shape[0]) for h in range(1, hkv)))
-            middle += int((p != recent).sum())
+            middle += int((p != recent).sum()) if p.shape[2] == BUDGET else p.size
     if method != "streaming":
         # scored methods keep older tokens than the recent window, and per head
         assert middle > 0 and heads_differ > 0, (middle, heads_differ)
+    assert (merged > 0) == (method in MERGING), merged
+    assert (uneven > 0) == (method in HEAD_BUDGETS) or hkv == 1, uneven
 
 
 @pytest.mark.parametrize("method", ["snapkv", "criticalkv"])

@@ -25,6 +25,7 @@ import numpy as np
 from ..engine import Engine
 from ..models import cache_dir, sha256_file
 from ..runtime import Model
+from ..compress import METHODS
 from ..sampling import Sampler
 from ..session import ChatSession
 from ..verify import compare_logits
@@ -33,7 +34,8 @@ from .tasks import CHAT_TASKS, Item, Prose, make_items, score
 # full cache with a quantized K cache: ggml type of K (V stays F16: the Engine passes only type_k, and a
 # quantized V cache needs flash attention in llama.cpp)
 KV_BASELINES = {"full-q8_0": 8, "full-q4_0": 2}
-EVICTION = ("streaming", "snapkv", "criticalkv")
+# every compression method the engine has (eviction, head budgets, merging): the registry, less "full"
+EVICTION = tuple(m for m in METHODS if m != "full")
 QUERY_FREE = ("streaming",)  # methods that never look at the probe: one observation mode, "-"
 OBSERVATIONS = ("question", "agnostic")
 N_FORCED = 64  # continuation: tokens of real text forced after the prompt
