@@ -54,10 +54,10 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .compress import LayerInputs, Plan, make_scorer, plan_layers
+from .compress import BIAS_METHODS, LayerInputs, Plan, make_scorer, plan_layers
 from .errors import UsageError
 from .gguf_file import dequantize_tensor, read_gguf
-from .runtime import Context, Model
+from .runtime import Context, Model, runtime_info
 from .runtime.capture import QueryCapture
 from .runtime.llama import N_UBATCH, kv_cache_bytes
 from .runtime.state import CacheLost, SeqKV, read_seq, write_seq
@@ -221,6 +221,9 @@ class Engine:
         if (type_k not in (None, 1) or type_v not in (None, 1)) and method != "full":  # 1 = GGML_TYPE_F16
             raise UsageError("compression with a quantized KV cache is not supported yet (K is stored Hadamard-rotated): use the default F16 cache or --method full")
         self.scorer = make_scorer(method)
+        if method in BIAS_METHODS and not runtime_info().patched:
+            raise UsageError(f"--method {method} needs kvlocal's patched llama.cpp (a per-head attention bias, "
+                             f"patch 0006); this runtime is stock: run `python ggml_patches/build.py`")
         self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
         m = self.model
         self.layers = m.arch.full_layers  # the model layers whose cache is compressed (all but sliding ones)
@@ -497,7 +500,7 @@ class Engine:
         host += 2 * kv.k[0].size * 4  # one layer's K and V in float32 at a time
         self.last_plan = plan
         t3 = clock()
-        self._apply(kv, plan, vnorm, counts)
+        host = max(host, (kv.blob.nbytes if kv.blob is not None else 0) + self._apply(kv, plan, vnorm, counts))
         t4 = clock()
         self.stats.host_bytes_peak = max(self.stats.host_bytes_peak, host)
         self.stats.wo_cache_bytes = self._wo.nbytes if self._wo is not None else 0
@@ -506,9 +509,10 @@ class Engine:
         for name, dt in (("observe", t1 - t0), ("read", t2 - t1), ("score", t3 - t2), ("apply", t4 - t3)):
             self.stats.compression_breakdown[name] = self.stats.compression_breakdown.get(name, 0.0) + dt
 
-    def _apply(self, kv: SeqKV, plan: Plan, vnorm: np.ndarray, counts: np.ndarray) -> None:
+    def _apply(self, kv: SeqKV, plan: Plan, vnorm: np.ndarray, counts: np.ndarray) -> int:
         """Write the plan's rows into the cells: kept rows as they are, merged ones combined
-        (:meth:`Plan.materialize`), each with its bias (``log(count)``, ``-inf`` for an empty slot)."""
+        (:meth:`Plan.materialize`), each with its bias (``log(count)``, ``-inf`` for an empty slot).
+        Returns the bytes of the new rows it held on the host (float32, every layer)."""
         slot_pos = plan.slot_positions()
         k, v, slot_counts, bias = plan.materialize(kv.k, kv.v, counts)
         # cell-major rows for the state; no bias section at all while every slot holds one plain token
@@ -532,6 +536,7 @@ class Engine:
             self._slot_vnorm = kept
             self._slot_count = slot_counts
             self._settled = max(self.budget_cells, plan.n_slots)
+        return sum(a.nbytes for a in k) + sum(a.nbytes for a in v)
 
 
 @contextlib.contextmanager

@@ -552,6 +552,40 @@ def test_cli_json_and_dump_plan(smollm2, smollm2_model, prompt_file, tmp_path):
     assert Plan.from_json(plan.to_json()).to_dict() == d  # round trip
 
 
+@pytest.mark.parametrize("method", ["adakv", "criticalkv+adakv", "kvslimmer", "meanmerge", "criticalkv+kvslimmer"])
+def test_cli_json_and_dump_plan_of_every_method(smollm2, smollm2_model, prompt_file, tmp_path, method):
+    """Head budgets and merges reach the CLI: the dumped plan has empty slots (AdaKV: a layer's cells hold
+    its widest head, at most 2 x budget) or merged slots with their members, key weights and counts."""
+    plan_path = tmp_path / "plan.json"
+    r = run_cli("run", str(smollm2), "--prompt-file", str(prompt_file["long"]), "--budget", "128", "--chunk", "64",
+                "--method", method, "-n", "8", "-t", "1", "--json", "--dump-plan", str(plan_path))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["method"] == method and out["compression_events"] >= (1 if "adakv" in method else 2) and out["text"]
+    plan = Plan.from_json(plan_path.read_text())
+    entries = (plan.positions >= 0).sum(axis=2)  # [n_layer, Hkv]
+    hkv = smollm2_model.n_head_kv
+    if "adakv" in method:
+        assert np.all(entries.sum(axis=1) == hkv * 128) and 128 < plan.n_slots <= 256
+        assert (plan.keep < 0).any() and plan.merges is None
+        assert out["n_ctx"] == padded(256 + 64 + WINDOW)  # sized for the widest head allowed
+    else:
+        assert plan.n_slots == 128 and np.all(entries == 128)
+        assert plan.counts is not None and plan.merges is not None
+        groups = 0
+        for il in range(plan.n_layer):
+            for h, m in enumerate(plan.merges[il] or []):
+                if m is None:
+                    continue
+                for slot, cells, weights in zip(m["slots"], m["cells"], m["weights"]):
+                    members = np.asarray(cells)[np.asarray(cells) >= 0]
+                    assert plan.keep[il, h, slot] == members[-1]  # the slot holds the latest member's cell
+                    assert plan.counts[il, h, slot] >= len(members) >= 2  # (members may be merged rows)
+                    assert abs(float(np.sum(weights)) - 1) < 1e-5
+                    groups += 1
+        assert groups > 0 and plan.counts.max() >= 2
+
+
 def test_cli_short_prompt_is_not_compressed(smollm2, prompt_file, tmp_path):
     plan_path = tmp_path / "plan.json"
     r = run_cli("run", str(smollm2), "--prompt-file", str(prompt_file["short"]), "--budget", "128", "-n", "8",

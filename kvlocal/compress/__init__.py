@@ -85,6 +85,10 @@ METHODS = {
     "criticalkv+kvslimmer": _criticalkv_kvslimmer,
 }
 
+# methods whose plans need llama.cpp's per-head attention bias (patch 0006): merged slots (log(count))
+# or head budgets (-inf for a narrower head's surplus slots)
+BIAS_METHODS = frozenset({"adakv", "criticalkv+adakv", "kvslimmer", "meanmerge", "criticalkv+kvslimmer"})
+
 PARTS = {  # the classes whose hyperparameters a composed method takes
     "criticalkv": (CriticalKV, SnapKV),
     "adakv": (AdaKV, SnapKV),
@@ -120,6 +124,7 @@ def make_scorer(name: str, **params) -> Scorer:
 
 
 __all__ = [
+    "BIAS_METHODS",
     "METHODS",
     "AdaKV",
     "CriticalKV",

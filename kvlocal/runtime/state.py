@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UsageError
-from .library import llama_lib
+from .library import llama_lib, runtime_info
 
 SEQ_STATE_MAGIC = 0xAF143CD8
 SEQ_ID = 0
@@ -237,15 +237,16 @@ def _rows_to_array(raw: np.ndarray, t: int, n: int, n_head_kv: int) -> np.ndarra
     return vals.reshape(n, n_head_kv, -1)
 
 
-def parse_blob(buf: np.ndarray, n_layer: int, n_head_kv: int, swa: bool = False) -> SeqKV:
+def parse_blob(buf: np.ndarray, n_layer: int, n_head_kv: int, swa: bool = False, bias: bool = True) -> SeqKV:
     """Parse a sequence-state blob (see the module docstring) into a :class:`SeqKV`.
 
     n_layer and n_head_kv are the cache's (they split a row into heads and check the layer count: for
     an iSWA memory, the full-attention layers only). ``swa``: the memory is iSWA, so the bytes after
-    the first cache are its sliding-window cache (kept raw in :attr:`SeqKV.tail`).
+    the first cache are its sliding-window cache (kept raw in :attr:`SeqKV.tail`). ``bias``: the blob has
+    the attention-bias section of the patched runtime (a stock one has not).
     """
     try:
-        return _parse(buf, n_layer, n_head_kv, swa)
+        return _parse(buf, n_layer, n_head_kv, swa, bias)
     except _Malformed as e:
         raise RuntimeError(f"unexpected sequence-state blob from llama.cpp: {e}") from None
 
@@ -261,7 +262,7 @@ def _swa_tail(buf: np.ndarray, off: int, swa: bool) -> np.ndarray | None:
     return buf[off:]
 
 
-def _parse(buf: np.ndarray, n_layer: int, n_head_kv: int, swa: bool = False) -> SeqKV:
+def _parse(buf: np.ndarray, n_layer: int, n_head_kv: int, swa: bool = False, has_bias_section: bool = True) -> SeqKV:
     r = _Reader(buf)
     magic = r.scalar("<u4")
     if magic != SEQ_STATE_MAGIC:
@@ -331,7 +332,7 @@ def _parse(buf: np.ndarray, n_layer: int, n_head_kv: int, swa: bool = False) -> 
             raw = r.array(np.uint8, n * n_embd_v * el)
             vt = _rows_to_array(raw, t, n_embd_v, 1).reshape(n_embd_v, n)  # [element, cell]
             v_list.append(np.ascontiguousarray(vt.T).reshape(n, n_head_kv, n_embd_v // n_head_kv))
-    has_bias = r.scalar("<u4")
+    has_bias = r.scalar("<u4") if has_bias_section else 0
     if has_bias not in (0, 1):
         raise _Malformed(f"attention bias flag {has_bias}")
     bias = None
@@ -355,7 +356,7 @@ def read_seq(ctx) -> SeqKV:
     """
     arch = ctx.model.arch
     blob = get_blob(ctx)
-    kv = parse_blob(blob, len(arch.full_layers), arch.n_head_kv, swa=arch.has_swa)
+    kv = parse_blob(blob, len(arch.full_layers), arch.n_head_kv, swa=arch.has_swa, bias=runtime_info().patched)
     kv.blob = blob
     if kv.n:
         _GEOMETRY[ctx] = _Geometry(*_layout(kv))
@@ -436,8 +437,11 @@ def _put_rows(dst: np.ndarray, a: np.ndarray, t: int) -> None:
         dst.view(_ARRAY_DTYPE[t]).reshape(np.shape(a)[0], -1)[:] = np.reshape(a, (np.shape(a)[0], -1))
 
 
-def build_blob(kv: SeqKV, pos: np.ndarray | None = None) -> np.ndarray:
-    """The sequence-state blob for kv (the inverse of :func:`parse_blob`), without validation."""
+def build_blob(kv: SeqKV, pos: np.ndarray | None = None, bias: bool = True) -> np.ndarray:
+    """The sequence-state blob for kv (the inverse of :func:`parse_blob`), without validation. ``bias``:
+    write the patched runtime's attention-bias section (``kv.bias`` must be None without it)."""
+    if kv.bias is not None and not bias:
+        raise UsageError("an attention bias (merged or head-budgeted cells) needs kvlocal's patched llama.cpp (patch 0006)")
     pos = np.asarray(kv.pos if pos is None else pos, dtype=np.int32)
     n = pos.shape[0]
     n_layer = len(kv.k)
@@ -449,7 +453,7 @@ def build_blob(kv: SeqKV, pos: np.ndarray | None = None) -> np.ndarray:
         v_rows = [int(np.prod(np.shape(a)[1:])) * _ELEM_BYTES[kv.v_type] for a in kv.v]
         size += sum(12 + n * r for r in k_rows)
         size += sum(12 + n * r for r in v_rows)  # i32 type + u64 row bytes, or i32 type + u32 elem + u32 n_embd
-        size += 4 + (0 if kv.bias is None else sum(4 * int(np.size(b)) for b in kv.bias))
+        size += (4 if bias else 0) + (0 if kv.bias is None else sum(4 * int(np.size(b)) for b in kv.bias))
     buf = np.empty(size, dtype=np.uint8)
     off = 0
 
@@ -495,7 +499,8 @@ def build_blob(kv: SeqKV, pos: np.ndarray | None = None) -> np.ndarray:
                 dst = buf[off : off + n * row].view(_ARRAY_DTYPE[kv.v_type]).reshape(n_embd_v, n)
                 dst[:] = np.reshape(a, (n, n_embd_v)).T
         off += n * row
-    put("<u4", 0 if kv.bias is None else 1)
+    if bias:
+        put("<u4", 0 if kv.bias is None else 1)
     for b in kv.bias or []:
         nb = 4 * int(np.size(b))
         buf[off : off + nb].view("<f4").reshape(-1, n)[:] = np.asarray(b, dtype=np.float32).T
@@ -546,7 +551,7 @@ def write_seq(ctx, kv: SeqKV, previous: np.ndarray | None = None) -> None:
     raised again; if that fails too, :class:`CacheLost`.
     """
     pos = _validate(ctx, kv)
-    buf = build_blob(kv, pos) if pos.size or kv.tail is not None else None
+    buf = build_blob(kv, pos, bias=runtime_info().patched) if pos.size or kv.tail is not None else None
     if previous is None:
         previous = get_blob(ctx)
     clear_seq(ctx)
