@@ -9,10 +9,12 @@ the new source of ``ggml_flash_attn_ext``).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
-from kvlocal.runtime import Context
+from kvlocal.runtime import Context, Model
 from kvlocal.runtime.state import read_seq, write_seq
 
 TEXT = ("The history of the city goes back to a small settlement on the river, where traders met every "
@@ -30,9 +32,18 @@ def kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
     return float((np.exp(la) * (la - lb)).sum())
 
 
+NGL = int(os.environ.get("KVLOCAL_TEST_NGL", "0"))  # a GPU machine: offload the model (ggml_patches/gpu_check.sh)
+
+
 @pytest.fixture(scope="module")
-def prompt(smollm2_model):
-    toks = smollm2_model.tokenize(TEXT)
+def model(smollm2, smollm2_model):
+    """SmolLM2 on the CPU, or with KVLOCAL_TEST_NGL layers offloaded (CUDA/Metal kernels of the bias)."""
+    return smollm2_model if NGL == 0 else Model(smollm2, n_gpu_layers=NGL)
+
+
+@pytest.fixture(scope="module")
+def prompt(model):
+    toks = model.tokenize(TEXT)
     return toks[:-1], toks[-1]  # the cache, and the token whose logits are compared
 
 
@@ -47,14 +58,14 @@ def n_layers(model) -> int:
 
 
 @FA
-def test_unused_bias_is_bit_identical(smollm2_model, prompt, fa):
+def test_unused_bias_is_bit_identical(model, prompt, fa):
     """A bias set and then zeroed keeps the graphs adding it (llama.cpp drops the flag only when the cache is
     cleared): the logits are the same bits as those of a cache that never had one (llama.cpp's own graphs)."""
     cache, last = prompt
-    n, hkv = len(cache), smollm2_model.n_head_kv
-    plain = cached(smollm2_model, cache, fa)
-    zero = cached(smollm2_model, cache, fa)
-    for il in range(n_layers(smollm2_model)):
+    n, hkv = len(cache), model.n_head_kv
+    plain = cached(model, cache, fa)
+    zero = cached(model, cache, fa)
+    for il in range(n_layers(model)):
         zero.set_bias(il, np.ones((hkv, n), np.float32))
         zero.set_bias(il, np.zeros((hkv, n), np.float32))
     assert read_seq(zero).bias is not None and read_seq(plain).bias is None  # the flag is on in one only
@@ -63,38 +74,38 @@ def test_unused_bias_is_bit_identical(smollm2_model, prompt, fa):
 
 
 @FA
-def test_minus_inf_bias_is_eviction(smollm2_model, prompt, fa):
+def test_minus_inf_bias_is_eviction(model, prompt, fa):
     cache, last = prompt
-    n, hkv = len(cache), smollm2_model.n_head_kv
+    n, hkv = len(cache), model.n_head_kv
     gone = np.arange(5, 10)
-    masked = cached(smollm2_model, cache, fa)
-    for il in range(n_layers(smollm2_model)):
+    masked = cached(model, cache, fa)
+    for il in range(n_layers(model)):
         b = np.zeros((hkv, n), np.float32)
         b[:, gone] = -np.inf
         masked.set_bias(il, b)
-    evicted = cached(smollm2_model, cache, fa)
+    evicted = cached(model, cache, fa)
     write_seq(evicted, read_seq(evicted).select(np.setdiff1d(np.arange(n), gone)))
-    full = cached(smollm2_model, cache, fa)
+    full = cached(model, cache, fa)
     a, b, c = (ctx.decode([last], [n]) for ctx in (masked, evicted, full))
     assert np.abs(a - b).max() <= 1e-4
     assert np.abs(a - c).max() > 0.1  # negative control: the five cells matter
 
 
 @FA
-def test_identical_keys_merged_with_count(smollm2_model, prompt, fa):
+def test_identical_keys_merged_with_count(model, prompt, fa):
     """``c`` cells with the same K and V attend exactly like one cell with bias log c (c = 2, the merge of
     two identical adjacent keys, and c = 4, where the control is clearer under flash attention's F16
     rounding)."""
     cache, last = prompt
-    n, hkv, nl, j = len(cache), smollm2_model.n_head_kv, n_layers(smollm2_model), 7
+    n, hkv, nl, j = len(cache), model.n_head_kv, n_layers(model), 7
     for c in (2, 4):
-        dup = cached(smollm2_model, cache, fa)
+        dup = cached(model, cache, fa)
         dup_kv = read_seq(dup).select(np.concatenate([np.arange(j + 1), [j] * (c - 1), np.arange(j + 1, n)]))
         dup_kv.pos = np.arange(n + c - 1, dtype=np.int32)
         write_seq(dup, dup_kv)
 
         def merged(count: float) -> np.ndarray:
-            ctx = cached(smollm2_model, cache, fa)
+            ctx = cached(model, cache, fa)
             one = read_seq(ctx).copy()
             one.pos = np.concatenate([np.arange(j + 1), np.arange(j + c, n + c - 1)]).astype(np.int32)  # same next position
             one.bias = [np.zeros((n, hkv), np.float32) for _ in range(nl)]
@@ -113,12 +124,12 @@ def test_identical_keys_merged_with_count(smollm2_model, prompt, fa):
             assert kl(want, uncounted) > 5 * max(kl(want, got), 1e-4)
 
 
-def test_bias_moves_with_its_cell(smollm2_model, prompt):
+def test_bias_moves_with_its_cell(model, prompt):
     """Set and read back through the API and the state; a removed position takes its bias along, and a
     token decoded into a freed cell starts at 0."""
     cache, _ = prompt
-    n, hkv = len(cache), smollm2_model.n_head_kv
-    ctx = cached(smollm2_model, cache, False)
+    n, hkv = len(cache), model.n_head_kv
+    ctx = cached(model, cache, False)
     rng = np.random.default_rng(0)
     bias = rng.normal(size=(hkv, n)).astype(np.float32)
     bias[1, 3] = -np.inf
@@ -130,7 +141,7 @@ def test_bias_moves_with_its_cell(smollm2_model, prompt):
     ctx.remove(4, 6)  # positions 4, 5 leave; their cells are free
     _, pos = ctx.cells()
     np.testing.assert_array_equal(ctx.bias(2), bias[:, pos])
-    ctx.decode(smollm2_model.tokenize(" again", add_special=False)[:1], [n], logits="none")
+    ctx.decode(model.tokenize(" again", add_special=False)[:1], [n], logits="none")
     cells, pos = ctx.cells()
     assert cells[pos == n][0] == 4  # the new token took a freed cell ...
     assert np.all(ctx.bias(2)[:, pos == n] == 0)  # ... and not its bias
@@ -140,14 +151,14 @@ def test_bias_moves_with_its_cell(smollm2_model, prompt):
     np.testing.assert_array_equal(read_seq(ctx).bias[2], kv.bias[2])
 
 
-def test_bias_bad_input(smollm2_model, prompt):
-    ctx = cached(smollm2_model, prompt[0], False)
+def test_bias_bad_input(model, prompt):
+    ctx = cached(model, prompt[0], False)
     with pytest.raises(ValueError, match="refused layer 0"):
         ctx.set_bias(0, np.zeros((1, 3), np.float32))
     with pytest.raises(ValueError, match="no KV layer 99"):
         ctx.bias(99)
     kv = read_seq(ctx).copy()
-    kv.bias = [np.full((kv.n, smollm2_model.n_head_kv), np.nan, np.float32)] * n_layers(smollm2_model)
+    kv.bias = [np.full((kv.n, model.n_head_kv), np.nan, np.float32)] * n_layers(model)
     with pytest.raises(ValueError, match="not NaN"):
         write_seq(ctx, kv)
 
@@ -168,10 +179,10 @@ np.savez(sys.argv[2], **out)
 """
 
 
-def test_patched_runtime_matches_stock_bit_for_bit(smollm2, smollm2_model, prompt, stock_runtime, tmp_path):
+@pytest.mark.skipif(NGL != 0, reason="the unpatched runtime is the CPU build")
+def test_patched_runtime_matches_stock_bit_for_bit(smollm2, model, prompt, stock_runtime, tmp_path):
     """Without a bias the patched llama.cpp computes exactly what the unpatched one does (FA off and on):
     the same prompt through ``ggml_patches/build.py --stock`` in a subprocess gives the same logits bits."""
-    import os
     import subprocess
     import sys
 
@@ -182,6 +193,6 @@ def test_patched_runtime_matches_stock_bit_for_bit(smollm2, smollm2_model, promp
                    check=True, env=env, timeout=600)
     stock = np.load(out)
     for fa in (False, True):
-        ctx = cached(smollm2_model, cache, fa)
+        ctx = cached(model, cache, fa)
         mine = ctx.decode([last], [len(cache)])
         assert np.array_equal(mine, stock[f"fa{int(fa)}"]), (fa, float(np.abs(mine - stock[f"fa{int(fa)}"]).max()))
