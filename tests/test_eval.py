@@ -113,7 +113,7 @@ def test_quick_eval_is_complete_sane_and_resumable(smollm2, tmp_path):
     again = run_cli("eval", "--quick", "--out", str(out), "-t", "1", timeout=120)
     assert again.returncode == 0, again.stderr[-2000:]
     assert (out / "results.jsonl").read_text() == before
-    assert f"0 runs in" in again.stderr and f"{len(specs)} already done" in again.stderr
+    assert "0 runs in" in again.stderr and f"{len(specs)} already done" in again.stderr
 
 
 @pytest.mark.parametrize("args, message", [
