@@ -120,7 +120,7 @@ def test_quick_eval_is_complete_sane_and_resumable(smollm2, tmp_path):
     (["--budgets", "1.5"], "--budgets 1.5"),
     (["--budgets", "abc"], "--budgets 'abc'"),
     (["--tasks", "nope"], "--tasks: unknown nope"),
-    (["--methods", "adakv"], "--methods: unknown adakv"),
+    (["--methods", "h2o"], "--methods: unknown h2o"),
     (["--tokens", "50"], "--tokens 50"),
     (["no-such-model"], "neither a known model"),
 ])
