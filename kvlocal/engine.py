@@ -57,8 +57,9 @@ import numpy as np
 from .compress import BIAS_METHODS, LayerInputs, Plan, make_scorer, plan_layers
 from .errors import UsageError
 from .gguf_file import dequantize_tensor, read_gguf
-from .runtime import Context, Model, runtime_info
+from .runtime import Context, Model
 from .runtime.capture import QueryCapture
+from .runtime.library import has_attention_bias
 from .runtime.llama import N_UBATCH, kv_cache_bytes
 from .runtime.state import CacheLost, SeqKV, read_seq, write_seq
 from .sampling import Sampler
@@ -221,7 +222,7 @@ class Engine:
         if (type_k not in (None, 1) or type_v not in (None, 1)) and method != "full":  # 1 = GGML_TYPE_F16
             raise UsageError("compression with a quantized KV cache is not supported yet (K is stored Hadamard-rotated): use the default F16 cache or --method full")
         self.scorer = make_scorer(method)
-        if method in BIAS_METHODS and not runtime_info().patched:
+        if method in BIAS_METHODS and not has_attention_bias():
             raise UsageError(f"--method {method} needs kvlocal's patched llama.cpp (a per-head attention bias, "
                              f"patch 0006); this runtime is stock: run `python ggml_patches/build.py`")
         self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
@@ -235,7 +236,7 @@ class Engine:
         self.budget_cells = max_tokens if method == "full" else min(budget.cells_for(max_tokens, floor), max_tokens)
         # the cells a compression may leave: the budget, or more where heads share it unevenly (AdaKV:
         # a layer's cells hold its widest head, the others' surplus slots are masked out by a -inf bias)
-        self.slot_cells = min(int(getattr(self.scorer, "max_share", 1.0) * self.budget_cells), max_tokens)
+        self.slot_cells = min(self.scorer.max_slots(self.budget_cells), max_tokens)
         self._settled = self.budget_cells  # cells right after the latest compression (the budget before any)
         # llama.cpp pads n_ctx (to 256 cells here); prefill chunks then fill whatever is free, so the
         # effective chunk is n_ctx - budget - probe >= chunk
@@ -519,7 +520,7 @@ class Engine:
         cell_bias = [b.T for b in bias] if np.any(slot_counts != 1) else None
         # projected value norms stay valid for rows copied unchanged
         kept = np.take_along_axis(vnorm, np.maximum(plan.keep, 0), axis=2)
-        kept[(plan.keep < 0) | merged_slots(plan)] = np.nan
+        kept[(plan.keep < 0) | plan.merged()] = np.nan
         # the cells and the engine's record of them change together: a Ctrl-C waits for both
         with interrupts_deferred():
             try:
@@ -574,16 +575,6 @@ def count_bias(counts: np.ndarray) -> np.ndarray | None:
         return None
     with np.errstate(divide="ignore"):
         return np.log(counts.astype(np.float32))
-
-
-def merged_slots(plan: Plan) -> np.ndarray:
-    """``[n_layer, Hkv, B]`` True for the slots a plan fills by merging."""
-    out = np.zeros(plan.keep.shape, dtype=bool)
-    for il, heads in enumerate(plan.merges or []):
-        for h, m in enumerate(heads or []):
-            if m is not None and len(m["slots"]):
-                out[il, h, np.asarray(m["slots"], dtype=np.int64)] = True
-    return out
 
 
 def pad_cells(n: int) -> int:

@@ -77,6 +77,9 @@ class AdaKV(Scorer):
     def rerank(self, layer: LayerInputs, scores: np.ndarray, budgets: np.ndarray) -> np.ndarray:
         return self.press.rerank(layer, scores, budgets)
 
+    def max_slots(self, budget: int) -> int:
+        return int(self.max_share * budget)
+
     def keep(self, layer: LayerInputs, budget: int) -> np.ndarray:
         scores = self.press.score(layer)
         budgets = head_budgets(scores, budget, layer.pos, layer.live, self.alpha_safeguard, self.max_share)

@@ -18,6 +18,9 @@ The contract, documented once:
 ``keep(layer, budget) -> [Hkv, B] int64``
     The cells every KV head keeps, sorted by position (:func:`select`): ``min(budget, live rows)`` per
     head for a uniform budget; a head that keeps fewer than ``B`` has ``-1`` (empty) in its first slots.
+``max_slots(budget) -> int``
+    The most cells a plan at ``budget`` may need (what an engine allocates): ``budget``, or more for
+    head budgets (AdaKV: ``int(max_share * budget)``).
 ``plan_layer(layer, budget) -> LayerPlan``
     The layer's part of the plan (:class:`~kvlocal.compress.plan.LayerPlan`): kept cells, counts and
     merges. The default wraps :meth:`keep`; merging methods (KVSlimmer) override it.
@@ -288,6 +291,10 @@ class Scorer:
     def keep(self, layer: LayerInputs, budget: int) -> np.ndarray:
         budgets = np.minimum(max(int(budget), 0), layer.n_live)
         return select(self.rerank(layer, self.score(layer), budgets), budgets, layer.pos, layer.live)
+
+    def max_slots(self, budget: int) -> int:
+        """The most slots (cells) a plan at ``budget`` may have: the budget, unless heads share it unevenly."""
+        return int(budget)
 
     def plan_layer(self, layer: LayerInputs, budget: int) -> LayerPlan:
         """:meth:`keep` as a :class:`LayerPlan`; the kept rows' counts are carried where any is not 1."""

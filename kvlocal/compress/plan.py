@@ -225,6 +225,14 @@ class Plan:
             return np.zeros(self.n_slots, dtype=np.int64)
         return self.positions.max(axis=(0, 1))
 
+    def merged(self) -> np.ndarray:
+        """``[n_layer, Hkv, B]`` True for the slots filled by a merge."""
+        out = np.zeros(self.keep.shape, dtype=bool)
+        for il, heads in enumerate(self.merges or []):
+            for h, m in enumerate(heads or []):
+                out[il, h, m["slots"]] = True
+        return out
+
     def materialize(self, k, v, counts_in=None):
         """The rows the cells get: ``(k_out, v_out, counts_out, bias_out)``.
 

@@ -116,6 +116,12 @@ def patch_functions():
 
 
 @functools.lru_cache(maxsize=None)
+def has_attention_bias() -> bool:
+    """Whether the runtime's KV cells carry the per-head attention bias (patch 0006): its state blobs then
+    have a bias section, and merging and head-budget methods can run."""
+    return patch_functions()["set_bias"] is not None
+
+
 def runtime_info() -> RuntimeInfo:
     """What runtime kvlocal runs on. A stock runtime is reported, not refused: eviction works on it."""
     lib = llama_lib()

@@ -240,7 +240,7 @@ class Context:
     def bias(self, il: int) -> np.ndarray:
         """``[n_head_kv, n]`` float32 attention bias of layer ``il`` for the cells of sequence 0, in
         :meth:`cells` order (0 unless set; ``log(count)`` for merged entries, ``-inf`` for unused ones)."""
-        fn = patch_functions()["get_bias"]
+        fn = self._bias_fn("get_bias")
         hkv = self.model.arch.n_head_kv
         n = fn(self._mem, 0, il, None, 0)
         if n < 0:
@@ -252,11 +252,18 @@ class Context:
 
     def set_bias(self, il: int, bias: np.ndarray) -> None:
         """Set layer ``il``'s attention bias ``[n_head_kv, n]`` for the cells of sequence 0 (:meth:`cells` order)."""
-        fn = patch_functions()["set_bias"]
+        fn = self._bias_fn("set_bias")
         b = np.ascontiguousarray(bias, dtype=np.float32)
         if fn(self._mem, 0, il, b.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), b.size) < 0:
             raise ValueError(f"llama_memory_seq_set_bias refused layer {il} with shape {np.shape(bias)} "
                              f"(needs [n_head_kv, cells of sequence 0])")
+
+    @staticmethod
+    def _bias_fn(name: str):
+        fn = patch_functions()[name]
+        if fn is None:
+            raise UsageError("the attention bias needs kvlocal's patched llama.cpp: run `python ggml_patches/build.py`")
+        return fn
 
     def cells(self) -> tuple[np.ndarray, np.ndarray]:
         """(cell indices, positions) held by sequence 0, in cell order. Needs the patched runtime."""

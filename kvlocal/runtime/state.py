@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UsageError
-from .library import llama_lib, runtime_info
+from .library import has_attention_bias, llama_lib
 
 SEQ_STATE_MAGIC = 0xAF143CD8
 SEQ_ID = 0
@@ -356,7 +356,7 @@ def read_seq(ctx) -> SeqKV:
     """
     arch = ctx.model.arch
     blob = get_blob(ctx)
-    kv = parse_blob(blob, len(arch.full_layers), arch.n_head_kv, swa=arch.has_swa, bias=runtime_info().patched)
+    kv = parse_blob(blob, len(arch.full_layers), arch.n_head_kv, swa=arch.has_swa, bias=has_attention_bias())
     kv.blob = blob
     if kv.n:
         _GEOMETRY[ctx] = _Geometry(*_layout(kv))
@@ -551,7 +551,7 @@ def write_seq(ctx, kv: SeqKV, previous: np.ndarray | None = None) -> None:
     raised again; if that fails too, :class:`CacheLost`.
     """
     pos = _validate(ctx, kv)
-    buf = build_blob(kv, pos, bias=runtime_info().patched) if pos.size or kv.tail is not None else None
+    buf = build_blob(kv, pos, bias=has_attention_bias()) if pos.size or kv.tail is not None else None
     if previous is None:
         previous = get_blob(ctx)
     clear_seq(ctx)
