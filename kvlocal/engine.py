@@ -50,7 +50,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -61,7 +61,7 @@ from .runtime import Context, Model
 from .runtime.capture import QueryCapture
 from .runtime.library import has_attention_bias
 from .runtime.llama import N_UBATCH, kv_cache_bytes
-from .runtime.state import CacheLost, SeqKV, read_seq, write_seq
+from .runtime.state import CacheLost, SeqKV, clear_seq, get_blob, read_seq, set_blob, write_seq
 from .sampling import Sampler
 
 # A generic observation window for when the question is not known yet (a document read before the
@@ -124,6 +124,11 @@ class EngineStats:
     compression_breakdown: dict = field(default_factory=dict)  # seconds by step: observe, read, score, apply
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    repositions: int = 0  # times an endless session moved its positions back into the trained range
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.prompt_tokens + self.generated_tokens
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -215,6 +220,7 @@ class Engine:
         n_threads: int | None = None,
         type_k: int | None = None,
         type_v: int | None = None,
+        endless: bool = False,
     ):
         budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
         self.cfg = EngineConfig(budget, method, chunk, window, n_sink, max_tokens)
@@ -273,13 +279,24 @@ class Engine:
         self._probe: list[int] | None = None  # the probe of the last prefill/append
         self._reply: list[int] = []  # tokens generated since the last prefill/append
         self._wo = output_projections(str(m.path)) if "criticalkv" in method else None
+        # endless (a chat): past max_tokens the session goes on inside the same budget, and its positions
+        # are moved back under the trained context whenever they would pass it (:meth:`_reposition`)
+        self.endless = endless
+        self._recent_span = max(window, m.arch.n_swa if m.arch.has_swa else 0)
+        if endless:
+            if method == "full":
+                raise UsageError("an endless session needs a compression method: --method full keeps every token")
+            if self.ctx.n_ctx + self._recent_span + self.ctx.n_batch > m.n_ctx_train:
+                raise UsageError(f"the budget's {self.ctx.n_ctx:,} cells leave no room under the {m.n_ctx_train:,} positions "
+                                 f"{Path(m.path).name} was trained on: lower --budget")
 
     # -- public API ---------------------------------------------------------------------------------
-    def prefill(self, tokens: Sequence[int], probe: Sequence[int] | None = None) -> np.ndarray:
+    def prefill(self, tokens: Sequence[int], probe: Sequence[int] | None = None,
+                progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         """Decode a prompt in chunks that fill the free cells, compressing back to the budget whenever the
         context is full and once more at the end. ``probe``: tokens whose queries score the cache (the
         question; its last ``window`` tokens are used); None uses the generic query-agnostic probe.
-        Returns the last logits."""
+        ``progress(done, total)`` is called after every chunk. Returns the last logits."""
         self._check_usable()
         if len(tokens) == 0:
             raise UsageError("the prompt is empty: give at least one token of text")
@@ -294,9 +311,12 @@ class Engine:
             if room < 1:
                 self._compress(probe, observed)
                 continue
+            self._fit_positions(room + len(probe))
             chunk = list(tokens[i:i + room])
             observed = self._decode_chunk(chunk, probe)
             i += len(chunk)
+            if progress is not None:
+                progress(i, len(tokens))
         if self.live_cells() > self._settled:
             self._compress(probe, observed)
         self.stats.prompt_tokens += len(tokens)
@@ -305,9 +325,10 @@ class Engine:
         self.stats.prefill_seconds += time.perf_counter() - t0
         return self.logits
 
-    def append(self, tokens: Sequence[int], probe: Sequence[int] | None = None) -> np.ndarray:
+    def append(self, tokens: Sequence[int], probe: Sequence[int] | None = None,
+               progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         """Add a later turn to the compressed cache (the history is never decoded again)."""
-        return self.prefill(tokens, probe)
+        return self.prefill(tokens, probe, progress)
 
     def generate(self, max_new: int, sampler: Sampler | None = None, stop_at_eog: bool = True) -> Iterator[int]:
         """Yield up to max_new tokens; the end-of-generation token is kept in the cache, not yielded.
@@ -322,6 +343,7 @@ class Engine:
             tok = sampler(self.logits)
             t0 = time.perf_counter()
             self._check_cap(1)
+            self._fit_positions(1 + self.cfg.window)
             if self.live_cells() + 1 > self.ctx.n_ctx - self._reserve():
                 self._compress(self.decode_probe())
             with self._rollback():
@@ -335,6 +357,50 @@ class Engine:
                 return
             self.stats.generated_tokens += 1
             yield tok
+
+    def snapshot(self) -> "EngineState":
+        """Everything the engine's next step depends on, copied to the host: llama.cpp's sequence state
+        (the cells' K/V rows, positions and biases) and kvlocal's record of the rows (true positions,
+        counts), the last logits and the statistics. O(budget) bytes."""
+        self._check_usable()
+        return EngineState(
+            blob=get_blob(self.ctx), n_past=self.n_past, last_token=self.last_token,
+            logits=None if self.logits is None else self.logits.copy(),
+            slot_pos=self._slot_pos.copy(), slot_true=self._slot_true.copy(), slot_vnorm=self._slot_vnorm.copy(),
+            slot_count=self._slot_count.copy(), settled=self._settled,
+            probe=None if self._probe is None else list(self._probe), reply=list(self._reply),
+            stats=self.stats.as_dict())
+
+    def restore(self, state: "EngineState") -> None:
+        """Put the engine back to a :meth:`snapshot` of this engine or of one made with the same model and
+        settings (a saved session). All or nothing: if llama.cpp refuses the cells, the ones held before
+        are loaded back and UsageError is raised."""
+        self._check_usable()
+        n_cl, hkv = len(self.layers), self.model.n_head_kv
+        if state.slot_true.shape[:2] != (n_cl, hkv) or state.stats.get("n_ctx") != self.ctx.n_ctx:
+            raise UsageError("this state was made with another model or budget: it does not fit this engine")
+        previous = get_blob(self.ctx)
+        with interrupts_deferred():
+            clear_seq(self.ctx)
+            try:
+                set_blob(self.ctx, state.blob)
+            except RuntimeError:
+                clear_seq(self.ctx)
+                set_blob(self.ctx, previous)
+                self._note_live()
+                raise UsageError("llama.cpp refused the saved cells (another runtime build or cache type?); "
+                                 "the session is as it was") from None
+            self.n_past, self.last_token = state.n_past, state.last_token
+            self.logits = None if state.logits is None else state.logits.copy()
+            self._slot_pos, self._slot_true = state.slot_pos.copy(), state.slot_true.copy()
+            self._slot_vnorm, self._slot_count = state.slot_vnorm.copy(), state.slot_count.copy()
+            self._settled = state.settled
+            self._probe = None if state.probe is None else list(state.probe)
+            self._reply = list(state.reply)
+            fixed = {k: getattr(self.stats, k) for k in ("n_ctx", "kv_bytes_allocated", "kv_bytes_swa",
+                                                         "kv_bytes_measured", "kv_bytes_full", "budget_cells")}
+            self.stats = EngineStats(**{**state.stats, **fixed})
+            self._note_live()
 
     def decode_probe(self) -> list[int]:
         """The probe of a decode-time event: the last half-window of the prompt's probe followed by the
@@ -368,10 +434,50 @@ class Engine:
 
     def _check_cap(self, n: int) -> None:
         cap = self.cfg.max_tokens
-        if cap is not None and self.n_past + n > cap:
+        if cap is not None and not self.endless and self.n_past + n > cap:
             raise UsageError(f"{self.n_past + n} tokens exceed the cap of {cap} this session was sized for: raise -c/--ctx-size")
         if self.cfg.method == "full" and self.n_past + n > self.ctx.n_ctx:
             raise UsageError(f"the full cache of {self.ctx.n_ctx} cells is full: use --budget with a compression method")
+
+    def _fit_positions(self, n: int) -> bool:
+        """Endless sessions: if the next n positions would pass the trained context, reposition first."""
+        if self.endless and self.n_past + n > self.model.n_ctx_train:
+            self._reposition()
+            return True
+        return False
+
+    def _reposition(self) -> None:
+        """Move the cache's positions back into the trained range, as StreamingLLM does ("positions within
+        the cache"): the cells older than the recent span (``window``; a sliding-window model's window)
+        take consecutive positions 0, 1, ... in their order, and the recent span follows them shifted as one
+        block, so recent tokens keep their exact distances and old ones keep their order. llama.cpp
+        re-rotates the keys (K-shift) at the next decode; the rows' true positions shift with their cell."""
+        ctx = self.ctx
+        cells = np.unique(ctx.cells()[1] if has_attention_bias() else read_seq(ctx).pos).astype(np.int64)
+        recent = self.n_past - self._recent_span
+        old = cells[cells < recent]
+
+        def moved(p: np.ndarray) -> np.ndarray:
+            return np.where(p < recent, np.searchsorted(old, p), p - recent + len(old))
+
+        with interrupts_deferred():
+            if self.model.arch.has_swa:  # sliding-window cells between full-cache cells (outside the window)
+                prev = -1
+                for p in [*old.tolist(), recent]:
+                    if p > prev + 1:
+                        ctx.remove(prev + 1, p)
+                    prev = p
+            for i, p in enumerate(old.tolist()):
+                if p != i:
+                    ctx.shift(p, p + 1, i - p)
+            if recent != len(old):
+                ctx.shift(recent, -1, len(old) - recent)
+            delta = moved(self._slot_pos) - self._slot_pos
+            real = self._slot_true >= 0
+            self._slot_true = np.where(real, np.maximum(self._slot_true + delta, 0), -1)
+            self._slot_pos = self._slot_pos + delta
+            self.n_past = int(moved(np.array([self.n_past]))[0])
+            self.stats.repositions += 1
 
     @contextlib.contextmanager
     def _rollback(self):
@@ -538,6 +644,31 @@ class Engine:
             self._slot_count = slot_counts
             self._settled = max(self.budget_cells, plan.n_slots)
         return sum(a.nbytes for a in k) + sum(a.nbytes for a in v)
+
+
+@dataclass
+class EngineState:
+    """An :class:`Engine`'s :meth:`~Engine.snapshot`: ``blob`` is llama.cpp's sequence state (uint8),
+    the arrays kvlocal's per-row record ([n_compressed_layer, n_head_kv, slots] for the slots the last
+    compression wrote)."""
+
+    blob: np.ndarray
+    n_past: int
+    last_token: int
+    logits: np.ndarray | None
+    slot_pos: np.ndarray
+    slot_true: np.ndarray
+    slot_vnorm: np.ndarray
+    slot_count: np.ndarray
+    settled: int
+    probe: list[int] | None
+    reply: list[int]
+    stats: dict
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.blob, self.logits, self.slot_pos, self.slot_true, self.slot_vnorm, self.slot_count)
+        return sum(a.nbytes for a in arrays if a is not None)
 
 
 @contextlib.contextmanager

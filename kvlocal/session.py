@@ -1,65 +1,125 @@
-"""A chat session on an :class:`~kvlocal.engine.Engine`: turns, streaming text out.
+"""The turns of a chat on an :class:`~kvlocal.engine.Engine`: documents and questions in, text out.
 
-Each turn appends only the new text to the (compressed) cache — the history is never decoded
-again. The session keeps the exact text the cache was fed and decodes the difference between it and
-the conversation rendered with the model's chat template. The new turn's own tokens are the probe
-that scores the cache while it is added (query-aware: the user's question decides what stays).
+Each turn appends only the new text to the (compressed) cache — the history is never decoded again.
+The session keeps the exact text the cache was fed (``fed_text``) and decodes the difference between
+it and the conversation rendered with the model's chat template. The new turn's own tokens are the
+probe that scores the cache while it is added (query-aware: the user's question decides what stays).
+
+A document (:meth:`ChatSession.read`) is fed at once, before its question is known, scored by the
+engine's query-agnostic probe. It becomes the beginning of the next user message: the template is
+rendered with the document and a marker where the question will go, and the text up to the marker is
+decoded now; the question completes that message later. So the transcript stays a plain alternation
+of user and assistant messages that every template accepts.
+
+:class:`kvlocal.Chat` (chat.py) is the public API on top: it loads the model, snapshots the engine
+around each turn (Ctrl-C, ``regen``), saves and loads sessions.
 """
 
 from __future__ import annotations
 
 import codecs
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 from .engine import Engine
 from .sampling import Sampler
+
+_MARK = "\u2063kvlocal-question\u2063"  # where the question goes; never in real text (invisible separators)
+
+
+@dataclass
+class Transcript:
+    """What the cache holds, as text: the messages, the document waiting for its question, and the exact
+    text decoded so far (a prefix of the next rendered prompt)."""
+
+    messages: list[dict] = field(default_factory=list)
+    pending: str = ""  # documents read since the last question: the start of the next user message
+    fed_text: str = ""
+
+    def copy(self) -> "Transcript":
+        return Transcript([dict(m) for m in self.messages], self.pending, self.fed_text)
 
 
 class ChatSession:
     def __init__(self, engine: Engine, sampler: Sampler, system: str | None = None):
         self.engine, self.model, self.sampler = engine, engine.model, sampler
-        self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
-        self.fed_text = ""  # the text whose tokens went into the cache, in order
+        self.t = Transcript([{"role": "system", "content": system}] if system else [])
+        self.interrupted = False  # the last reply was cut short (Ctrl-C, or its reader stopped)
+
+    @property
+    def messages(self) -> list[dict]:
+        return self.t.messages
+
+    def read(self, text: str, name: str | None = None, progress: Callable[[int, int], None] | None = None) -> int:
+        """Feed a document now, as the beginning of the next user message. Returns its tokens."""
+        block = (f"{name}:\n\n" if name else "") + text.strip("\n") + "\n\n"
+        pending = self.t.pending + block
+        rendered = self.model.chat_prompt(self.t.messages + [{"role": "user", "content": pending + _MARK}],
+                                          add_assistant=True)
+        cut = rendered.find(_MARK)
+        if cut < 0 or not rendered.startswith(self.t.fed_text):
+            self.t.pending = pending  # a template that moves the content: the document goes in with the question
+            return len(self.model.tokenize(block, add_special=False))
+        tokens = self._tokens(rendered[len(self.t.fed_text):cut])
+        self.engine.append(tokens, probe=None, progress=progress)
+        self.t.pending, self.t.fed_text = pending, rendered[:cut]
+        return len(tokens)
+
+    def extend(self, messages: list[dict], progress: Callable[[int, int], None] | None = None) -> int:
+        """Add finished messages (an earlier conversation: user and assistant turns) without generating.
+        Returns the tokens fed."""
+        if not messages:
+            return 0
+        self.t.messages.extend({"role": m["role"], "content": m["content"]} for m in messages)
+        tokens = self._tokens(self._delta(add_assistant=False))
+        self.engine.append(tokens, probe=tokens, progress=progress)
+        self.t.fed_text = self.model.chat_prompt(self.t.messages, add_assistant=False)
+        return len(tokens)
 
     def ask(self, user_text: str, max_tokens: int = 512) -> Iterator[str]:
-        """Add a user turn and stream the reply's text."""
-        self.messages.append({"role": "user", "content": user_text})
-        prompt = self.model.chat_prompt(self.messages, add_assistant=True)
-        before = self.fed_text
-        if not prompt.startswith(before) and len(self.messages) > 1:
+        """Add a user turn (after any document read) and stream the reply's text. If the caller stops
+        early (Ctrl-C, or closing the iterator), the reply so far stays in the transcript and the cache."""
+        t = self.t
+        t.messages.append({"role": "user", "content": t.pending + user_text})
+        t.pending = ""
+        tokens = self._tokens(self._delta(add_assistant=True))
+        self.engine.append(tokens, probe=tokens)
+        t.fed_text = self.model.chat_prompt(t.messages, add_assistant=True)
+        return self._reply(max_tokens)
+
+    def _delta(self, add_assistant: bool) -> str:
+        """The text to decode for the messages not fed yet: the rendered conversation past ``fed_text``."""
+        t = self.t
+        prompt = self.model.chat_prompt(t.messages, add_assistant=add_assistant)
+        before = t.fed_text
+        if not prompt.startswith(before) and len(t.messages) > 1:
             # a template that rewrites earlier turns (trims a reply, drops its thoughts): append this turn
             # as the template writes it after them
-            before = self.model.chat_prompt(self.messages[:-1], add_assistant=False)
+            before = self.model.chat_prompt(t.messages[:-1], add_assistant=False)
         if prompt.startswith(before):
-            delta = prompt[len(before):]
-        else:
-            delta = self.model.chat_prompt(self.messages[-1:], add_assistant=True)
-        tokens = self.model.tokenize(delta, add_special=self.engine.n_past == 0, parse_special=True)
-        self.engine.append(tokens, probe=tokens)
-        self.fed_text = prompt
+            return prompt[len(before):]
+        return self.model.chat_prompt(t.messages[-1:], add_assistant=add_assistant)
+
+    def _tokens(self, text: str) -> list[int]:
+        return self.model.tokenize(text, add_special=self.engine.n_past == 0, parse_special=True)
+
+    def _reply(self, max_tokens: int) -> Iterator[str]:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         reply_tokens: list[int] = []
-        for tok in self.engine.generate(max_tokens, self.sampler):
-            reply_tokens.append(tok)
-            piece = decoder.decode(self.model.token_bytes(tok))
-            if piece:
-                yield piece
-        tail = decoder.decode(b"", final=True)
-        if tail:
-            yield tail
-        reply = self.model.detokenize(reply_tokens)
-        self.messages.append({"role": "assistant", "content": reply})
-        last = self.engine.last_token
-        end = self.model.token_bytes(last, special=True).decode(errors="replace") if self.model.is_eog(last) else ""
-        self.fed_text += reply + end
-
-    def status(self) -> str:
-        s = self.engine.stats
-        return (f"[kv: {s.kv_cells_live:,} cells live / {self.engine.n_past:,} tokens seen · "
-                f"KV {s.kv_bytes_allocated / 2**20:.1f} MiB allocated"
-                + (f" (sliding window {s.kv_bytes_swa / 2**20:.1f})" if s.kv_bytes_swa else "")
-                + f" vs {s.kv_bytes_full / 2**20:.1f} MiB for a full "
-                f"{self.engine.cfg.max_tokens:,}-token cache · "
-                f"{s.compression_events} compressions"
-                + (f" · kvlocal {(s.wo_cache_bytes + s.host_bytes_peak) / 2**20:.1f} MiB" if s.compression_events else "")
-                + "]")
+        self.interrupted = True
+        try:
+            for tok in self.engine.generate(max_tokens, self.sampler):
+                reply_tokens.append(tok)
+                piece = decoder.decode(self.model.token_bytes(tok))
+                if piece:
+                    yield piece
+            tail = decoder.decode(b"", final=True)
+            if tail:
+                yield tail
+            self.interrupted = False
+        finally:  # also on Ctrl-C or a reader that stopped: what was decoded is in the cache
+            reply = self.model.detokenize(reply_tokens)
+            self.t.messages.append({"role": "assistant", "content": reply})
+            last = self.engine.last_token
+            done = not self.interrupted and self.model.is_eog(last)
+            self.t.fed_text += reply + (self.model.token_bytes(last, special=True).decode(errors="replace") if done else "")

@@ -228,6 +228,12 @@ class Context:
         if not llama_lib().llama_memory_seq_rm(self._mem, 0, p0, p1):
             raise RuntimeError(f"llama_memory_seq_rm({p0}, {p1}) failed")
 
+    def shift(self, p0: int, p1: int, delta: int) -> None:
+        """Add ``delta`` to the positions [p0, p1) of sequence 0 (p1 < 0: to the end). llama.cpp re-rotates
+        the keys (its K-shift graph, on the cache's device) at the next decode; a cell whose position
+        would fall below 0 is removed."""
+        llama_lib().llama_memory_seq_add(self._mem, 0, p0, p1, delta)
+
     def kv_bytes(self) -> tuple[int, int] | None:
         """(full-attention cache, sliding-window cache) bytes llama.cpp allocated for this context's K/V
         buffers, as its backends report them (the patched runtime's ``llama_memory_buffer_size``);

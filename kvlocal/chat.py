@@ -1,0 +1,383 @@
+"""The Python API: a chat with a GGUF model inside a fixed KV-cache budget.
+
+    import kvlocal
+
+    with kvlocal.Chat("smollm2-135m", budget=0.1) as chat:
+        chat.read("report.txt")                 # a long document, compressed while it is read
+        for piece in chat.send("Who signed it?"):
+            print(piece, end="", flush=True)
+        print(chat.status_line())
+        chat.save("report.kvl")                 # the compressed cache and the transcript
+
+    chat = kvlocal.Chat.load("report.kvl")      # a new process: the identical next (greedy) reply
+
+A chat never ends for length: a ratio budget is sized from ``ctx_size`` (default: the model's trained
+context), and past it the engine goes on in the same cells; whenever positions would pass the trained
+context they are moved back under it (``Engine._reposition``: old cells renumbered in order, the recent
+span shifted as a block, keys re-rotated by llama.cpp's K-shift).
+
+Thread-safety: a Chat serializes its calls with a lock — a call from a second thread waits until the
+first one (a reply: until its iterator is exhausted or closed) is done. One Chat holds one llama.cpp
+context; use one per conversation, or a pool (``kvlocal serve`` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from . import __version__, saved
+from .engine import Budget, Engine, EngineState, pad_cells
+from .errors import UsageError
+from .runtime import Model, runtime_info
+from .runtime.llama import kv_cache_bytes
+from .sampling import Sampler
+from .session import ChatSession, Transcript
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """What a chat's cache depends on; saved with a session and reused when it is loaded."""
+
+    budget: str = "0.1"  # a ratio of ctx_size, or a cell count
+    method: str = "criticalkv"
+    ctx_size: int = 0  # tokens a ratio budget is sized from (0: the model's trained context)
+    chunk: int = 128
+    window: int = 32
+    flash_attn: bool = False
+    system: str | None = None
+    max_reply: int = 512  # most tokens of one reply
+
+
+@dataclass(frozen=True)
+class ChatStats:
+    tokens_seen: int  # every token of the conversation, documents included
+    kv_tokens_kept: int  # cells of the full-attention cache holding tokens now
+    kv_cells_allocated: int  # llama.cpp's n_ctx
+    budget_cells: int
+    kv_bytes: int  # K/V bytes llama.cpp allocated for this chat (both caches of a sliding-window model)
+    kv_bytes_full: int  # what a stock llama.cpp cache for tokens_seen would allocate
+    compression_events: int
+    repositions: int  # times positions were moved back under the trained context
+    prompt_tokens_per_s: float  # the last turn (or read) alone
+    gen_tokens_per_s: float
+    method: str
+    budget: str
+
+
+class Chat:
+    """A conversation with a model in a bounded KV cache; see the module docstring."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike | Model | None = None,
+        budget: str | float | int = 0.1,
+        method: str = "criticalkv",
+        *,
+        system: str | None = None,
+        sampler: Sampler | None = None,
+        ctx_size: int = 0,
+        chunk: int = 128,
+        window: int = 32,
+        max_reply: int = 512,
+        n_gpu_layers: int = 0,
+        flash_attn: bool = False,
+        n_threads: int | None = None,
+    ):
+        settings = ChatSettings(str(Budget.parse(budget)), method, ctx_size, chunk, window, flash_attn, system, max_reply)
+        if isinstance(model, Model):
+            self.model, self._own_model = model, False
+        else:
+            from .models import resolve
+
+            self.model, self._own_model = Model(resolve(None if model is None else str(model)), n_gpu_layers=n_gpu_layers), True
+        self._lock = threading.RLock()
+        self.sampler = sampler or Sampler()
+        self._threads = n_threads
+        self._before_turn: tuple[EngineState, Transcript, str] | None = None  # for regen
+        self._turn_rates = (0.0, 0.0)
+        try:
+            self.settings = settings
+            self.engine = self._new_engine(settings)
+            self.session = ChatSession(self.engine, self.sampler, system=system)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- conversation ---------------------------------------------------------------------------------
+    def send(self, text: str, max_tokens: int | None = None) -> Iterator[str]:
+        """Add a user message and stream the reply's text (lazily: nothing happens until iterated).
+        Ctrl-C while the message is read leaves the chat as it was; during the reply, keeps the reply so far."""
+        if not isinstance(text, str) or not text.strip():
+            raise UsageError("the message is empty")
+        with self._lock:
+            self._check_open()
+            before = self._checkpoint()
+            s0 = dataclasses.replace(self.engine.stats)
+            with self._undo_on_interrupt(before):
+                reply = self.session.ask(text, max_tokens or self.settings.max_reply)
+            self._before_turn = (*before, text)
+            try:
+                yield from reply
+            finally:
+                self._note_rates(s0)
+
+    def ask(self, text: str, max_tokens: int | None = None) -> str:
+        """:meth:`send`, returning the whole reply."""
+        return "".join(self.send(text, max_tokens))
+
+    def read(self, source: str | os.PathLike, name: str | None = None, progress: Progress | None = None) -> int:
+        """Read a document (a path to a text file, or the text itself) into the cache now; it opens the next
+        user message, and the next :meth:`send` asks about it. Returns its tokens. Ctrl-C cancels it."""
+        text, name = _document(source, name)
+        with self._lock:
+            self._check_open()
+            before = self._checkpoint()
+            s0 = dataclasses.replace(self.engine.stats)
+            with self._undo_on_interrupt(before):
+                n = self.session.read(text, name=name, progress=progress)
+            self._note_rates(s0)
+            return n
+
+    def extend(self, messages: list[dict], progress: Progress | None = None) -> int:
+        """Add an earlier conversation's finished messages (``{"role": "user"|"assistant", "content": ...}``)
+        to the cache without generating, e.g. to continue a chat kept elsewhere. Returns the tokens read."""
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ("user", "assistant") or not isinstance(m.get("content"), str):
+                raise UsageError(f"a message must be {{'role': 'user' or 'assistant', 'content': str}}, got {m!r:.80}")
+        with self._lock:
+            self._check_open()
+            before = self._checkpoint()
+            s0 = dataclasses.replace(self.engine.stats)
+            with self._undo_on_interrupt(before):
+                n = self.session.extend(messages, progress)
+            self._note_rates(s0)
+            return n
+
+    def regen(self, max_tokens: int | None = None) -> Iterator[str]:
+        """Take back the last reply and generate it again (another draw when sampling)."""
+        with self._lock:
+            self._check_open()
+            if self._before_turn is None:
+                raise UsageError("nothing to regenerate yet: send a message first")
+            state, transcript, text = self._before_turn
+            self._rollback(state, transcript)
+            self._before_turn = None
+        return self.send(text, max_tokens)
+
+    def clear(self) -> None:
+        """Start over: an empty cache and transcript (the system message stays)."""
+        with self._lock:
+            self._check_open()
+            self._replace_engine(self.settings, Transcript(self.session.t.messages[:1] if self.settings.system else []))
+
+    def reconfigure(self, budget: str | float | int | None = None, method: str | None = None,
+                    progress: Progress | None = None) -> None:
+        """Change the budget or method: the conversation so far is read again into a new cache (the old
+        one stays if that fails or is interrupted)."""
+        with self._lock:
+            self._check_open()
+            settings = dataclasses.replace(self.settings, budget=str(Budget.parse(budget)) if budget is not None else self.settings.budget,
+                                           method=method or self.settings.method)
+            self._replace_engine(settings, self.session.t.copy(), progress)
+
+    @property
+    def sampler(self) -> Sampler:
+        """How the next replies pick tokens (default: greedy); may be replaced between replies."""
+        return self._sampler
+
+    @sampler.setter
+    def sampler(self, sampler: Sampler) -> None:
+        with self._lock:
+            self._sampler = sampler
+            if getattr(self, "session", None) is not None:
+                self.session.sampler = sampler
+
+    # -- figures --------------------------------------------------------------------------------------
+    @property
+    def messages(self) -> list[dict]:
+        with self._lock:
+            return [dict(m) for m in self.session.t.messages]
+
+    @property
+    def stats(self) -> ChatStats:
+        with self._lock:
+            s, e = self.engine.stats, self.engine
+            seen = s.tokens_seen
+            return ChatStats(
+                tokens_seen=seen, kv_tokens_kept=s.kv_cells_live, kv_cells_allocated=s.n_ctx, budget_cells=e.budget_cells,
+                kv_bytes=s.kv_bytes_allocated, kv_bytes_full=sum(kv_cache_bytes(self.model, pad_cells(max(seen, 1)), bias=False)),
+                compression_events=s.compression_events, repositions=s.repositions,
+                prompt_tokens_per_s=self._turn_rates[0], gen_tokens_per_s=self._turn_rates[1],
+                method=self.settings.method, budget=self.settings.budget)
+
+    def status_line(self) -> str:
+        """llama-cli's kind of summary: ``[ prompt 312 t/s | gen 41 t/s | KV 1,843 of 18,430 tokens kept ·
+        22 MiB (full: 216 MiB) ]``."""
+        s = self.stats
+        mib = 2**20
+        return (f"[ prompt {s.prompt_tokens_per_s:,.0f} t/s | gen {s.gen_tokens_per_s:,.0f} t/s | KV {s.kv_tokens_kept:,} of "
+                f"{s.tokens_seen:,} tokens kept · {s.kv_bytes / mib:,.0f} MiB (full: {s.kv_bytes_full / mib:,.0f} MiB)"
+                + (f" · positions moved ×{s.repositions}" if s.repositions else "") + " ]")
+
+    # -- saving ---------------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> int:
+        """Write the compressed cache, the transcript and the settings to one file; returns its bytes."""
+        with self._lock:
+            self._check_open()
+            st = self.engine.snapshot()
+            info = runtime_info()
+            header = {
+                "kind": "kvlocal chat session", "kvlocal": __version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "model": {"file": self.model.path.name, "path": str(self.model.path.resolve()),
+                          "fingerprint": saved.model_fingerprint(self.model.path)},
+                "runtime": {"llama_cpp_python": info.version, "patch_abi": info.patch_abi},
+                "settings": dataclasses.asdict(self.settings),
+                "transcript": dataclasses.asdict(self.session.t),
+                "engine": {"n_past": st.n_past, "last_token": st.last_token, "settled": st.settled,
+                           "probe": st.probe, "reply": st.reply, "stats": st.stats},
+            }
+            arrays = {"state": st.blob, "slot_pos": st.slot_pos, "slot_true": st.slot_true,
+                      "slot_vnorm": st.slot_vnorm, "slot_count": st.slot_count}
+            if st.logits is not None:
+                arrays["logits"] = st.logits
+            return saved.write(path, header, arrays)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: str | os.PathLike | Model | None = None, *,
+             sampler: Sampler | None = None, n_gpu_layers: int = 0, n_threads: int | None = None) -> "Chat":
+        """A chat from a :meth:`save` file, in this or another process. ``model``: the model it was saved
+        with (default: the path recorded in the file). Refused with UsageError — and nothing built — for
+        another model, another runtime build, a truncated, edited or newer file."""
+        f = saved.read(path)
+        h = f.header
+        if h.get("kind") != "kvlocal chat session":
+            raise UsageError(f"{path} is not a kvlocal chat session")
+        if model is None:
+            model = h["model"]["path"]
+            if not Path(model).is_file():
+                raise UsageError(f"{path} was saved with {model}, which is gone: pass the model file (--model / model=)")
+        model_path = model.path if isinstance(model, Model) else None
+        if model_path is None:
+            from .models import resolve
+
+            model_path = resolve(str(model), pull_missing=False)
+        if saved.model_fingerprint(model_path) != h["model"]["fingerprint"]:
+            raise UsageError(f"{path} was saved with {h['model']['file']}, and {Path(model_path).name} is another model: "
+                             f"load it with the model it was saved with")
+        info, rt = runtime_info(), h["runtime"]
+        if (info.version, info.patch_abi) != (rt["llama_cpp_python"], rt["patch_abi"]):
+            raise UsageError(f"{path} was saved on llama-cpp-python {rt['llama_cpp_python']} (kvlocal ABI {rt['patch_abi']}), "
+                             f"this runtime is {info.version} (ABI {info.patch_abi}): its cache format differs; "
+                             f"load it where it was saved")
+        s = ChatSettings(**h["settings"])
+        chat = cls(model if isinstance(model, Model) else model_path, s.budget, s.method, system=s.system, sampler=sampler,
+                   ctx_size=s.ctx_size, chunk=s.chunk, window=s.window, max_reply=s.max_reply,
+                   n_gpu_layers=n_gpu_layers, flash_attn=s.flash_attn, n_threads=n_threads)
+        try:
+            a, e = f.arrays, h["engine"]
+            chat.engine.restore(EngineState(
+                blob=a["state"], n_past=e["n_past"], last_token=e["last_token"], logits=a.get("logits"),
+                slot_pos=a["slot_pos"], slot_true=a["slot_true"], slot_vnorm=a["slot_vnorm"], slot_count=a["slot_count"],
+                settled=e["settled"], probe=e["probe"], reply=e["reply"], stats=e["stats"]))
+            chat.session.t = Transcript(**h["transcript"])
+        except BaseException:
+            chat.close()
+            raise
+        return chat
+
+    # -- lifetime -------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the llama.cpp context (and the model, if this chat loaded it). Idempotent."""
+        with self._lock:
+            engine = getattr(self, "engine", None)
+            if engine is not None:
+                engine.ctx.close()
+                self.engine = None
+            if self._own_model and getattr(self, "model", None) is not None:
+                self.model.close()
+            self.model = None if self._own_model else self.model
+
+    def __enter__(self) -> "Chat":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if getattr(self, "engine", None) is None:
+            raise UsageError("this chat is closed")
+
+    def _new_engine(self, s: ChatSettings) -> Engine:
+        cap = s.ctx_size or self.model.n_ctx_train
+        return Engine(self.model, s.budget, s.method, max_tokens=cap, chunk=s.chunk, window=s.window,
+                      flash_attn=s.flash_attn, n_threads=self._threads, endless=s.method != "full")
+
+    def _checkpoint(self) -> tuple[EngineState, Transcript]:
+        return self.engine.snapshot(), self.session.t.copy()
+
+    def _rollback(self, state: EngineState, transcript: Transcript) -> None:
+        self.engine.restore(state)
+        self.session.t = transcript.copy()
+
+    @contextlib.contextmanager
+    def _undo_on_interrupt(self, before):
+        """Put the chat back as it was if reading a message is interrupted or refused."""
+        try:
+            yield
+        except (KeyboardInterrupt, UsageError):
+            self._rollback(*before)
+            raise
+
+    def _note_rates(self, s0) -> None:
+        s = self.engine.stats
+        dp, dg = s.prompt_tokens - s0.prompt_tokens, s.generated_tokens - s0.generated_tokens
+        tp, tg = s.prefill_seconds - s0.prefill_seconds, s.decode_seconds - s0.decode_seconds
+        prompt, gen = self._turn_rates  # a read generates nothing: the last reply's rate stays
+        self._turn_rates = (dp / tp if dp and tp > 0 else prompt, dg / tg if dg and tg > 0 else gen)
+
+    def _replace_engine(self, settings: ChatSettings, transcript: Transcript, progress: Progress | None = None) -> None:
+        """A new engine holding ``transcript`` (read again), swapped in only when it is complete."""
+        engine = self._new_engine(settings)
+        try:
+            session = ChatSession(engine, self.sampler)
+            session.t = transcript
+            if transcript.fed_text:
+                users = [m["content"] for m in transcript.messages if m["role"] == "user"]
+                tokens = self.model.tokenize(transcript.fed_text, add_special=True, parse_special=True)
+                probe = self.model.tokenize(users[-1], add_special=False) if users else None
+                engine.prefill(tokens, probe=probe, progress=progress)
+        except BaseException:
+            engine.ctx.close()
+            raise
+        self.engine.ctx.close()
+        self.engine, self.session, self.settings = engine, session, settings
+        self._before_turn = None
+
+
+def _document(source: str | os.PathLike, name: str | None) -> tuple[str, str | None]:
+    """(text, name) of a document given as a path or as the text itself."""
+    if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source and len(source) < 4096
+                                           and Path(source).expanduser().exists()):
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise UsageError(f"{path} is not a file")
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise UsageError(f"cannot read {path}: {e.strerror}") from None
+        name = name or path.name
+    else:
+        text = str(source)
+    if not text.strip():
+        raise UsageError(f"{name or 'the document'} is empty")
+    return text, name
