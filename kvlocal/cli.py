@@ -17,7 +17,8 @@ from .errors import UsageError
 
 def _model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help="a .gguf file or a known model name (default: smollm2-135m, pulled on first use)")
+                   help="a .gguf file, a known model name (default: smollm2-135m, pulled on first use) or a Hugging Face "
+                        "repo: OWNER/REPO[:QUANT] or OWNER/REPO/FILE.gguf")
 
 
 def _llama_args(p: argparse.ArgumentParser) -> None:
@@ -132,34 +133,9 @@ def _engine(args, model, max_tokens: int):
 
 
 def cmd_chat(args) -> int:
-    from .models import resolve
-    from .runtime import Model, runtime_info
-    from .session import ChatSession
+    from . import repl
 
-    sampler = _sampler(args)
-    path = resolve(args.model)
-    info = runtime_info()
-    model = Model(path, n_gpu_layers=args.n_gpu_layers)
-    cap = args.ctx_size or model.n_ctx_train
-    engine = _engine(args, model, max_tokens=cap)
-    session = ChatSession(engine, sampler, system=args.system)
-    interactive = sys.stdin.isatty()
-    if interactive:
-        print(f"kvlocal chat · {path.name} · {args.method} · budget {args.budget}: {engine.budget_cells:,} of at most "
-              f"{cap:,} tokens ({engine.stats.n_ctx:,} cells allocated) · {info.describe()}", file=sys.stderr)
-        print("Type a message; an empty line or Ctrl-D ends the chat.", file=sys.stderr)
-    while True:
-        if interactive:
-            print("> ", end="", flush=True, file=sys.stderr)
-        line = sys.stdin.readline()
-        if not line or (interactive and not line.strip()):
-            return 0
-        if not line.strip():
-            continue
-        for piece in session.ask(line.strip(), max_tokens=args.n_predict):
-            print(piece, end="", flush=True)
-        print(flush=True)
-        print(session.status(), file=sys.stderr, flush=True)
+    return repl.run(args)
 
 
 def cmd_run(args) -> int:
@@ -230,12 +206,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"kvlocal {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("chat", help="chat with a model in a bounded KV cache (default model: smollm2-135m)")
+    p = sub.add_parser("chat", help="chat with a model in a bounded KV cache (default model: smollm2-135m)",
+                       description="A terminal chat in a bounded KV cache: streamed replies, a status line of what the "
+                                   "cache keeps, /read FILE, /save and /load, /help for the commands.")
     _model_arg(p)
     _llama_args(p)
     _budget_args(p)
     p.add_argument("-n", "--n-predict", type=int, default=512, help="most tokens per reply (default 512)")
     p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--file", action="append", metavar="DOC", help="read a text file into the chat before the first "
+                   "message (repeatable); ask about it after")
+    p.add_argument("--load", metavar="PATH", help="continue a chat saved with /save (the same model)")
     _sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
@@ -254,8 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-plan", metavar="FILE", help="write the kept source positions per layer and KV head (docs/engine.md)")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("pull", help="download a known model into the cache")
-    p.add_argument("name", nargs="?", default="smollm2-135m", help="model name (default smollm2-135m; --list shows all)")
+    p = sub.add_parser("pull", help="download a known model, or a GGUF from a Hugging Face repo")
+    p.add_argument("name", nargs="?", default="smollm2-135m",
+                   help="a known model (default smollm2-135m; --list shows them) or OWNER/REPO[:QUANT], "
+                        "OWNER/REPO/FILE.gguf (Hugging Face; HF_ENDPOINT, HF_HOME and HF_TOKEN are honoured)")
     p.add_argument("--list", action="store_true", help="list the known models")
     p.add_argument("--force", action="store_true", help="download again even if cached")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")

@@ -282,6 +282,7 @@ class Engine:
         # endless (a chat): past max_tokens the session goes on inside the same budget, and its positions
         # are moved back under the trained context whenever they would pass it (:meth:`_reposition`)
         self.endless = endless
+        self.position_limit = m.n_ctx_train  # positions an endless session stays under
         self._recent_span = max(window, m.arch.n_swa if m.arch.has_swa else 0)
         if endless:
             if method == "full":
@@ -441,7 +442,7 @@ class Engine:
 
     def _fit_positions(self, n: int) -> bool:
         """Endless sessions: if the next n positions would pass the trained context, reposition first."""
-        if self.endless and self.n_past + n > self.model.n_ctx_train:
+        if self.endless and self.n_past + n > self.position_limit:
             self._reposition()
             return True
         return False

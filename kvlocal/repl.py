@@ -1,0 +1,306 @@
+"""``kvlocal chat``: the terminal chat (a REPL in llama-cli's spirit) on :class:`kvlocal.Chat`.
+
+Replies stream to stdout; everything else (banner, progress bars, the status line after each reply,
+command output) goes to stderr, so ``kvlocal chat < questions.txt > answers.txt`` keeps only the
+answers. Line editing and history come from GNU readline (history in the cache folder). Piped input
+works the same way: one message per line, commands included.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Callable, Iterator
+
+from .chat import Chat
+from .errors import UsageError
+
+HELP = """\
+Type a message and press Enter. A reply streams as it is generated; the status line after it shows
+what the KV cache holds: tokens kept of tokens seen, its memory, and a full cache's for comparison.
+
+  multi-line   end a line with \\ to continue it, or put \"\"\" alone on a line to start and end a block
+               (a paste into a terminal with bracketed paste arrives as one message)
+  Ctrl-C       stop a reply (what was written stays in the chat); cancel reading a document
+  Ctrl-D       exit
+
+  /read FILE     read a text file into the chat now (compressed while it is read); then ask about it
+  /budget B      change the KV budget (0.1 = a tenth of the context, 2048 = cells): the chat is re-read
+  /method M      change the compression method (criticalkv, snapkv, streaming, adakv, kvslimmer, ...)
+  /regen         take back the last reply and generate it again
+  /save PATH     save the chat with its compressed cache to one file
+  /load PATH     load a saved chat (same model): the next reply is the one the saved chat would give
+  /clear         start over (the system message stays)
+  /stats         memory, speed and compression figures
+  /help          this text
+  /exit          quit
+
+A chat never stops for length. Past the model's trained context, positions are moved back under it
+(StreamingLLM's "positions within the cache": older kept tokens are renumbered in order, the recent
+ones keep their exact distances); the status line counts these moves."""
+
+
+def _progress(desc: str):
+    """A tqdm bar on stderr as a ``progress(done, total)`` callback, and a function that closes it."""
+    from tqdm import tqdm
+
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, leave=False, dynamic_ncols=True)
+        bar.update(done - bar.n)
+
+    def close() -> None:
+        if bar is not None:
+            bar.close()
+
+    return update, close
+
+
+class Repl:
+    def __init__(self, chat: Chat, interactive: bool, out=sys.stdout, err=sys.stderr):
+        self.chat, self.interactive, self.out, self.err = chat, interactive, out, err
+        self.commands: dict[str, Callable[[str], bool | None]] = {
+            "/help": self.help, "/exit": self.exit, "/quit": self.exit, "/clear": self.clear, "/stats": self.stats,
+            "/read": self.read, "/budget": self.budget, "/method": self.method, "/save": self.save,
+            "/load": self.load, "/regen": self.regen,
+        }
+
+    # -- input ----------------------------------------------------------------------------------------
+    def messages(self, read_line: Callable[[str], str]) -> Iterator[str]:
+        """Complete messages from lines: ``\\`` continuations and ``\"\"\"`` blocks joined; Ctrl-C at the
+        prompt drops what was typed. Ends at end of input."""
+        while True:
+            try:
+                line = read_line("> ")
+                if line.strip() == '"""':
+                    parts = []
+                    while (line := read_line("... ")).strip() != '"""':
+                        parts.append(line)
+                    yield "\n".join(parts)
+                    continue
+                parts = [line]
+                while parts[-1].endswith("\\"):
+                    parts[-1] = parts[-1][:-1]
+                    parts.append(read_line("... "))
+                yield "\n".join(parts)
+            except KeyboardInterrupt:
+                self.say("\n(Ctrl-D or /exit quits)")
+            except EOFError:
+                return
+
+    # -- loop -----------------------------------------------------------------------------------------
+    def run(self, read_line: Callable[[str], str]) -> int:
+        for text in self.messages(read_line):
+            if self.dispatch(text) is False:
+                return 0
+        if self.interactive:
+            self.say("")
+        return 0
+
+    def dispatch(self, text: str) -> bool | None:
+        """Run one message or command; False: the chat ends. Errors and Ctrl-C are reported, never raised."""
+        if not text.strip():
+            return None
+        word, _, rest = text.strip().partition(" ")
+        try:
+            if word in self.commands:
+                return self.commands[word](rest.strip())
+            if word.startswith("/") and len(word) > 1 and "\n" not in text:
+                self.say(f"unknown command {word}: /help lists them")
+            else:
+                self.reply(lambda: self.chat.send(text))
+        except UsageError as e:
+            self.say(f"kvlocal: {e}")
+        except KeyboardInterrupt:
+            self.say("\n[cancelled: the chat is as it was]")
+        return None
+
+    def reply(self, start: Callable[[], Iterator[str]]) -> None:
+        """Stream a reply to stdout, then the status line. Ctrl-C: stop it, keeping what was written."""
+        n_messages = len(self.chat.messages)
+        pieces = start()
+        try:
+            for piece in pieces:
+                self.out.write(piece)
+                self.out.flush()
+        except KeyboardInterrupt:
+            pieces.close()  # keeps the reply so far in the chat
+            if len(self.chat.messages) == n_messages:  # stopped while the message was read: undone
+                raise
+            self.out.write("\n")
+            self.say("[stopped: the reply so far stays in the chat]")
+        else:
+            self.out.write("\n")
+        self.out.flush()
+        self.say(self.chat.status_line())
+
+    def say(self, text: str) -> None:
+        print(text, file=self.err, flush=True)
+
+    # -- commands (a False return ends the chat) --------------------------------------------------------
+    def help(self, arg: str) -> None:
+        self.say(HELP)
+
+    def exit(self, arg: str) -> bool:
+        return False
+
+    def clear(self, arg: str) -> None:
+        self.chat.clear()
+        self.say("[a new chat]")
+
+    def stats(self, arg: str) -> None:
+        s, e = self.chat.stats, self.chat.engine.stats
+        mib = 2**20
+        rows = [
+            ("model", f"{self.chat.model.path.name}"),
+            ("method", f"{s.method}, budget {s.budget}: {s.budget_cells:,} cells ({s.kv_cells_allocated:,} allocated)"),
+            ("tokens", f"{s.tokens_seen:,} seen ({e.prompt_tokens:,} read, {e.generated_tokens:,} generated), {s.kv_tokens_kept:,} kept"),
+            ("KV memory", f"{s.kv_bytes / mib:,.1f} MiB; a full cache for {s.tokens_seen:,} tokens: {s.kv_bytes_full / mib:,.1f} MiB"),
+            ("compression", f"{s.compression_events} events, {e.compression_seconds:.2f} s"
+                            + "".join(f", {k} {v:.2f} s" for k, v in e.compression_breakdown.items())),
+            ("speed", f"last turn: prompt {s.prompt_tokens_per_s:,.1f} t/s, gen {s.gen_tokens_per_s:,.1f} t/s; "
+                      f"all: read {e.prefill_seconds:.1f} s, generate {e.decode_seconds:.1f} s"),
+            ("positions", f"moved back under the trained {self.chat.model.n_ctx_train:,} {s.repositions} times"),
+            ("messages", f"{len(self.chat.messages)}"),
+        ]
+        self.say("\n".join(f"  {k:<12} {v}" for k, v in rows))
+
+    def read(self, arg: str) -> None:
+        if not arg:
+            raise UsageError("/read needs a file: /read notes.txt")
+        path = Path(_one_path(arg)).expanduser()
+        update, close = _progress(f"reading {path.name}")
+        try:
+            n = self.chat.read(path, progress=update)
+        finally:
+            close()
+        self.say(f"[read {path.name}: {n:,} tokens; ask about it]")
+        self.say(self.chat.status_line())
+
+    def budget(self, arg: str) -> None:
+        if not arg:
+            raise UsageError(f"/budget needs a value (now {self.chat.settings.budget}): /budget 0.25 or /budget 2048")
+        self._reconfigure(budget=arg)
+
+    def method(self, arg: str) -> None:
+        from .compress import METHODS
+
+        if arg not in METHODS:
+            raise UsageError(f"/method takes one of {', '.join(METHODS)} (now {self.chat.settings.method})")
+        self._reconfigure(method=arg)
+
+    def _reconfigure(self, **change) -> None:
+        update, close = _progress("re-reading the chat")
+        try:
+            self.chat.reconfigure(progress=update, **change)
+        finally:
+            close()
+        self.say(f"[{self.chat.settings.method}, budget {self.chat.settings.budget}: {self.chat.engine.budget_cells:,} cells]")
+
+    def regen(self, arg: str) -> None:
+        self.reply(self.chat.regen)
+
+    def save(self, arg: str) -> None:
+        if not arg:
+            raise UsageError("/save needs a file name: /save notes.kvl")
+        path = Path(_one_path(arg)).expanduser()
+        size = self.chat.save(path)
+        self.say(f"[saved to {path} ({size / 2**20:.1f} MiB)]")
+
+    def load(self, arg: str) -> None:
+        if not arg:
+            raise UsageError("/load needs a file saved with /save: /load notes.kvl")
+        path = Path(_one_path(arg)).expanduser()
+        chat = Chat.load(path, model=self.chat.model, sampler=self.chat.sampler, n_threads=self.chat._threads)
+        self.chat.close()
+        self.chat = chat
+        self.say(f"[loaded {path}: {len(chat.messages)} messages, {chat.stats.tokens_seen:,} tokens seen]")
+        self.say(chat.status_line())
+
+
+def _one_path(arg: str) -> str:
+    """A command's file argument: quoted (shell rules) or the rest of the line as it is."""
+    try:
+        parts = shlex.split(arg)
+    except ValueError:
+        parts = [arg]
+    return parts[0] if len(parts) == 1 else arg
+
+
+def _readline_input():
+    """``input`` with GNU readline: editing, history in the cache folder, bracketed paste."""
+    try:
+        import readline
+    except ImportError:  # Windows without pyreadline: plain input
+        return input
+    from .models import cache_dir
+
+    history = cache_dir() / "chat_history"
+    try:
+        readline.read_history_file(history)
+    except OSError:
+        pass
+    readline.set_history_length(1000)
+    readline.parse_and_bind("set enable-bracketed-paste on")
+
+    import atexit
+
+    def save_history():
+        try:
+            history.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(history)
+        except OSError:
+            pass
+
+    atexit.register(save_history)
+    return input
+
+
+def _stdin_lines(prompt: str) -> str:
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.rstrip("\n")
+
+
+def run(args) -> int:
+    """``kvlocal chat``: build the chat from the command line, read ``--file`` documents, loop."""
+    from .cli import _sampler
+    from .models import resolve
+    from .runtime import Model, runtime_info
+
+    sampler = _sampler(args)
+    for f in args.file or []:
+        if not Path(f).is_file():
+            raise UsageError(f"--file {f}: no such file")
+    path = resolve(args.model)
+    info = runtime_info()
+    model = Model(path, n_gpu_layers=args.n_gpu_layers)
+    try:
+        if args.load:
+            chat = Chat.load(args.load, model=model, sampler=sampler, n_threads=args.threads)
+        else:
+            chat = Chat(model, args.budget, args.method, system=args.system, sampler=sampler, ctx_size=args.ctx_size,
+                        chunk=args.chunk, window=args.window, max_reply=args.n_predict, flash_attn=args.flash_attn,
+                        n_threads=args.threads)
+        with chat:
+            interactive = sys.stdin.isatty()
+            repl = Repl(chat, interactive)
+            s = chat.stats
+            repl.say(f"kvlocal chat · {path.name} · {chat.settings.method} · budget {chat.settings.budget}: "
+                     f"{s.budget_cells:,} cells ({s.kv_cells_allocated:,} allocated, {s.kv_bytes / 2**20:.0f} MiB) · "
+                     f"{info.describe()}")
+            if interactive:
+                repl.say("Type a message, /help for commands; Ctrl-C stops a reply, Ctrl-D exits.")
+            for f in args.file or []:
+                repl.dispatch(f"/read {shlex.quote(f)}")
+            code = repl.run(_readline_input() if interactive else _stdin_lines)
+            repl.chat.close()
+            return code
+    finally:
+        model.close()
