@@ -452,7 +452,9 @@ class Engine:
         the cache"): the cells older than the recent span (``window``; a sliding-window model's window)
         take consecutive positions 0, 1, ... in their order, and the recent span follows them shifted as one
         block, so recent tokens keep their exact distances and old ones keep their order. llama.cpp
-        re-rotates the keys (K-shift) at the next decode; the rows' true positions shift with their cell."""
+        re-rotates the keys (K-shift) at the next decode. The rows' recorded positions (the scorers' order
+        and recency) become their cell's new position in the old part and shift with the block in the
+        recent one — kept strictly increasing per head, which the plans require."""
         ctx = self.ctx
         cells = np.unique(ctx.cells()[1] if has_attention_bias() else read_seq(ctx).pos).astype(np.int64)
         recent = self.n_past - self._recent_span
@@ -473,10 +475,13 @@ class Engine:
                     ctx.shift(p, p + 1, i - p)
             if recent != len(old):
                 ctx.shift(recent, -1, len(old) - recent)
-            delta = moved(self._slot_pos) - self._slot_pos
-            real = self._slot_true >= 0
-            self._slot_true = np.where(real, np.maximum(self._slot_true + delta, 0), -1)
-            self._slot_pos = self._slot_pos + delta
+            cell_new = moved(self._slot_pos)
+            t = self._slot_true
+            label = np.where(t >= recent, t - recent + len(old), cell_new)
+            idx = np.arange(t.shape[-1])
+            label = np.maximum.accumulate(np.where(t >= 0, label - idx, np.iinfo(np.int64).min // 2), axis=-1) + idx
+            self._slot_true = np.where(t >= 0, label, -1)
+            self._slot_pos = cell_new
             self.n_past = int(moved(np.array([self.n_past]))[0])
             self.stats.repositions += 1
 

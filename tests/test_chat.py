@@ -1,0 +1,137 @@
+"""kvlocal.Chat on the real llama.cpp and SmolLM2: saved sessions (identical next reply in a new
+process, every refusal), Ctrl-C semantics, and a chat that runs past the trained context."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, run_cli
+from kvlocal import Chat, saved
+from kvlocal.errors import UsageError
+
+sys.path.insert(0, str(Path(__file__).parent / "reference"))
+import tiny_gguf  # noqa: E402
+
+PROSE = (REPO / "kvlocal" / "data" / "sample.txt").read_text()
+LICENSE = (REPO / "kvlocal" / "data" / "gpl-3.0.txt").read_text()
+Q1, Q2 = "What is this text about? Answer in one sentence.", "Name one thing it mentions."
+
+
+@pytest.fixture(scope="module")
+def saved_chat(smollm2_model, tmp_path_factory):
+    """A chat over a document with one exchange, saved; then the reply it gives to Q2."""
+    path = tmp_path_factory.mktemp("session") / "doc.kvl"
+    with Chat(smollm2_model, budget=256) as chat:
+        chat.read(PROSE[:6000], name="doc.txt")
+        chat.ask(Q1, 24)
+        size = chat.save(path)
+        messages = chat.messages
+        r2 = chat.ask(Q2, 24)
+    assert size == path.stat().st_size
+    return path, messages, r2
+
+
+def test_saved_session_gives_the_identical_next_reply_in_a_new_process(saved_chat, smollm2):
+    path, messages, r2 = saved_chat
+    code = ("import json, sys, kvlocal; c = kvlocal.Chat.load(sys.argv[1]); m = c.messages; "
+            "print(json.dumps({'messages': m, 'reply': c.ask(sys.argv[2], 24), 'seen': c.stats.tokens_seen}))")
+    out = subprocess.run([sys.executable, "-c", code, str(path), Q2], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["messages"] == messages
+    assert got["reply"] == r2 and r2.strip()
+    assert got["seen"] > 1000  # the document is in the loaded cache, not re-read
+
+
+def _rewrite(src: Path, dst: Path, edit) -> Path:
+    f = saved.read(src)
+    edit(f.header)
+    saved.write(dst, f.header, f.arrays)
+    return dst
+
+
+def test_saved_session_refusals(saved_chat, smollm2, tmp_path):
+    path, _, _ = saved_chat
+    raw = path.read_bytes()
+    cases = {}
+    (tmp_path / "truncated.kvl").write_bytes(raw[:len(raw) // 2])
+    cases["truncated.kvl"] = "truncated or was modified"
+    edited = bytearray(raw)
+    edited[len(raw) // 3] ^= 1
+    (tmp_path / "edited.kvl").write_bytes(bytes(edited))
+    cases["edited.kvl"] = "truncated or was modified"
+    newer = bytearray(raw)
+    struct.pack_into("<I", newer, len(saved.MAGIC), saved.FORMAT + 1)
+    (tmp_path / "newer.kvl").write_bytes(bytes(newer))
+    cases["newer.kvl"] = "saved by a newer kvlocal"
+    (tmp_path / "text.kvl").write_text("hello")
+    cases["text.kvl"] = "not a kvlocal session file"
+    _rewrite(path, tmp_path / "runtime.kvl", lambda h: h["runtime"].update(patch_abi=h["runtime"]["patch_abi"] + 1))
+    cases["runtime.kvl"] = "its cache format differs"
+    cases["missing.kvl"] = "no such session file"
+    for name, expected in cases.items():
+        with pytest.raises(UsageError, match=expected):
+            Chat.load(tmp_path / name, model=smollm2)
+    other = tiny_gguf.write_tiny(tmp_path / "other.gguf")
+    with pytest.raises(UsageError, match="is another model"):
+        Chat.load(path, model=other)
+    # the command line: one line, exit 2, no traceback
+    r = run_cli("chat", str(smollm2), "--load", str(tmp_path / "truncated.kvl"), input="hello\n")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("kvlocal: error:") and "truncated" in r.stderr
+
+
+def test_ctrl_c_while_reading_leaves_the_chat_as_it_was(smollm2_model):
+    with Chat(smollm2_model, budget=256) as plain, Chat(smollm2_model, budget=256) as chat:
+        expected = plain.ask("Say hello.", 12)
+
+        def interrupt(done, total):
+            if done > 300:
+                raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            chat.read(PROSE[:6000], progress=interrupt)
+        assert chat.messages == [] and chat.stats.tokens_seen == 0 and chat.stats.compression_events == 0
+        assert chat.ask("Say hello.", 12) == expected
+
+
+def test_a_reply_stopped_early_stays_in_the_chat(smollm2_model):
+    with Chat(smollm2_model, budget=256) as chat:
+        pieces = chat.send("Write a long story about a dragon.", 200)
+        partial = "".join(next(pieces) for _ in range(5))
+        pieces.close()
+        assert [m["role"] for m in chat.messages] == ["user", "assistant"]
+        assert chat.messages[1]["content"] == partial and chat.session.interrupted
+        seen = chat.stats.tokens_seen
+        assert chat.ask("Thanks.", 8)
+        assert chat.stats.tokens_seen > seen
+
+
+def test_a_chat_runs_past_the_trained_context(smollm2_model):
+    """Positions are moved back under the limit (lowered here from 8,192 to 1,200 so that a short document
+    crosses it four times) and the chat goes on; a pass key read ~640 tokens before the end, with a move
+    after it, is still found. (One read 2,500 tokens before the end is lost with the moves and nearly lost
+    without them at this budget: docs/chat.md.)"""
+    key = "58213"
+    doc = LICENSE[:11000] + f"\n\nThe pass key is {key}. Remember it: the pass key is {key}.\n\n" + LICENSE[11000:14000]
+    with Chat(smollm2_model, budget=400) as chat:
+        chat.engine.position_limit = 1200
+        moves = []
+        chat.read(doc, progress=lambda done, total: moves.append((done, chat.engine.stats.repositions)))
+        reply = chat.ask("What is the pass key?", 16)
+        e = chat.engine
+        pos = np.unique(e.ctx.cells()[1])
+        assert e.stats.repositions >= 3 and e.n_past <= 1200
+        assert len(pos) == chat.stats.kv_tokens_kept and pos.max() < e.n_past
+        assert chat.stats.tokens_seen > 2.5 * 1200
+        key_at = len(chat.model.tokenize(LICENSE[:11000], add_special=False))
+        moves_when_key_read = next(n for done, n in moves if done >= key_at + 30)
+        assert e.stats.repositions > moves_when_key_read  # the key's cells were moved at least once
+        assert key in reply, reply
