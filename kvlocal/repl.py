@@ -3,7 +3,7 @@
 Replies stream to stdout; everything else (banner, progress bars, the status line after each reply,
 command output) goes to stderr, so ``kvlocal chat < questions.txt > answers.txt`` keeps only the
 answers. Line editing and history come from GNU readline (history in the cache folder). Piped input
-works the same way: one message per line, commands included.
+works the same way: one message per line, commands included, each echoed to stderr.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def _progress(desc: str):
     def update(done: int, total: int) -> None:
         nonlocal bar
         if bar is None:
-            bar = tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, leave=False, dynamic_ncols=True)
+            # disable=None: no bar when stderr is not a terminal (a log stays readable)
+            bar = tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, leave=False, dynamic_ncols=True, disable=None)
         bar.update(done - bar.n)
 
     def close() -> None:
@@ -262,9 +263,12 @@ def _readline_input():
 
 
 def _stdin_lines(prompt: str) -> str:
+    """Piped input: each line is echoed to stderr after the prompt, so ``2>&1`` reads as a transcript
+    while stdout alone keeps only the replies."""
     line = sys.stdin.readline()
     if not line:
         raise EOFError
+    print(prompt + line.rstrip("\n"), file=sys.stderr, flush=True)
     return line.rstrip("\n")
 
 

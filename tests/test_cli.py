@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import re
 
 import pytest
 
@@ -50,9 +51,14 @@ def test_chat_on_a_plain_path(smollm2):
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
 
 
-def test_chat_overflow_is_reported_not_truncated(smollm2):
-    r = run_cli("chat", "-c", "32", input="Tell me a long story about a dragon who lives in a castle by the sea.\n")
-    assert_usage_error(r, "exceed the cap of 32", "-c/--ctx-size")
+def test_chat_goes_past_the_cap_and_says_what_it_keeps(smollm2):
+    """-c sizes a ratio budget (here 0.5 x 64 -> the 36-cell floor); a chat goes on past it inside those
+    cells, and the status line says how many of the tokens seen it keeps — never a silent truncation."""
+    r = run_cli("chat", "-c", "64", "--budget", "0.5", "-n", "60",
+                input="Tell me a long story about a dragon who lives in a castle by the sea.\nAnd then?\n")
+    assert r.returncode == 0, r.stderr
+    kept = [tuple(int(x.replace(",", "")) for x in m) for m in re.findall(r"KV ([\d,]+) of ([\d,]+) tokens kept", r.stderr)]
+    assert len(kept) == 2 and kept[-1][1] > 64 and kept[-1][0] < kept[-1][1], r.stderr
 
 
 def test_missing_path():
