@@ -24,8 +24,8 @@ def _model_arg(p: argparse.ArgumentParser) -> None:
 def _llama_args(p: argparse.ArgumentParser) -> None:
     """Flags named as in llama.cpp's own tools."""
     p.add_argument("-c", "--ctx-size", type=int, default=0,
-                   help="hard cap on the tokens a session may see (default: the model's trained context); "
-                        "a ratio budget is sized from it")
+                   help="the tokens a ratio budget is sized from (default: the model's trained context); `run` "
+                        "refuses a longer prompt, a chat goes on past it in the same cells")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU (default 0)")
     p.add_argument("-fa", "--flash-attn", action="store_true", help="use flash attention (off by default: slower for CPU decode)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: cores, at most 8)")
@@ -219,6 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", metavar="PATH", help="continue a chat saved with /save (the same model)")
     _sampling_args(p)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible server whose conversations keep their compressed caches",
+                       description="POST /v1/chat/completions (streaming or not) with usage and a kv object; a request "
+                                   "that continues an earlier conversation reuses its cache (docs/server.md).")
+    from . import server
+
+    server.add_arguments(p)
+    p.set_defaults(func=server.run)
 
     p = sub.add_parser("run", help="one-shot generation from a prompt file, for scripts and benchmarks")
     _model_arg(p)

@@ -125,10 +125,12 @@ class EngineStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     repositions: int = 0  # times an endless session moved its positions back into the trained range
+    end_tokens: int = 0  # end-of-generation tokens decoded into the cache (not yielded, not in generated_tokens)
 
     @property
     def tokens_seen(self) -> int:
-        return self.prompt_tokens + self.generated_tokens
+        """Every token the cache has been fed."""
+        return self.prompt_tokens + self.generated_tokens + self.end_tokens
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -355,6 +357,7 @@ class Engine:
             self._note_live()
             self.stats.decode_seconds += time.perf_counter() - t0
             if stop_at_eog and self.model.is_eog(tok):
+                self.stats.end_tokens += 1
                 return
             self.stats.generated_tokens += 1
             yield tok

@@ -135,3 +135,21 @@ def test_a_chat_runs_past_the_trained_context(smollm2_model):
         moves_when_key_read = next(n for done, n in moves if done >= key_at + 30)
         assert e.stats.repositions > moves_when_key_read  # the key's cells were moved at least once
         assert key in reply, reply
+
+
+def test_positions_move_on_a_sliding_window_model(gemma3_model):
+    """Gemma 3 (sliding window 512 on 5 of 6 layers): the recent span that moves as one block is the
+    window, and the sliding cache's cells outside it are dropped; a pass key read before three moves is
+    still continued (the pretrained model, so a plain continuation rather than a chat)."""
+    from kvlocal.engine import Engine
+
+    key = "58213"
+    doc = (LICENSE[:9000] + f"\n\nThe pass key is {key}. Remember it: the pass key is {key}.\n\n" + LICENSE[9000:12000]
+           + "\n\nWhat is the pass key? The pass key is")
+    tokens = gemma3_model.tokenize(doc)
+    engine = Engine(gemma3_model, 256, "criticalkv", max_tokens=1024, endless=True)
+    engine.position_limit = 1400
+    engine.prefill(tokens, probe=tokens[-16:])
+    out = gemma3_model.detokenize(list(engine.generate(6)))
+    assert engine.stats.repositions >= 3 and engine.n_past <= 1400 < len(tokens)
+    assert key in out, out

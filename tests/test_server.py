@@ -1,0 +1,450 @@
+"""`kvlocal serve`: real HTTP on a loopback port, the real llama.cpp on smollm2-135m.
+
+One server process serves the module (budget 256 cells); a second one checks --api-key, a third the
+warning for a public address and Ctrl-C. The failure path (an exception inside generation) runs an
+in-process server whose chats are made to fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+try:
+    import httpx
+except ImportError:  # the `openai` client's own HTTP library (a fork with httpx's API)
+    import httpx2 as httpx
+
+openai = pytest.importorskip("openai")
+
+MODEL = "smollm2-135m"
+GERMANY = [{"role": "user", "content": "What is the capital of Germany?"}]
+JAPAN = [{"role": "user", "content": "What is the capital of Japan?"}]
+
+
+def _serve_command() -> list[str]:
+    """`python -m kvlocal serve`, or `python -m kvlocal.server` while the CLI does not list the command yet."""
+    import argparse
+
+    from kvlocal.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    if "serve" in sub.choices:
+        return [sys.executable, "-m", "kvlocal", "serve"]
+    return [sys.executable, "-m", "kvlocal.server"]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "KVLOCAL_API_KEY"}  # the key is a test's own choice
+    return {**env, "PYTHONUNBUFFERED": "1"}
+
+
+class Server:
+    """A `kvlocal serve` subprocess; its stderr goes to a file (read by the tests, never a full pipe)."""
+
+    def __init__(self, log: Path, *args: str):
+        self.log_path = log
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen([*_serve_command(), MODEL, *args], stdout=subprocess.DEVNULL, stderr=self._log,
+                                     cwd=REPO, env=_env())
+        self.url = self._wait_for_url()
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def _wait_for_url(self, timeout: float = 180) -> str:
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            m = re.search(r"· (http://\S+:\d+) ", self.log())
+            if m:
+                return m.group(1)
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited with {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.2)
+        self.stop()
+        raise AssertionError(f"the server did not start in {timeout} s:\n{self.log()}")
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def stop(self, sig=signal.SIGINT, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(smollm2, tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve") / "stderr.txt", "--budget", "256", "--port", "0", "-t", "2")
+    assert s.health()["status"] == "ok"
+    yield s
+    s.stop()
+
+
+def chat(server, messages, timeout=300, **params) -> dict:
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, **params}, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def chat_stream(server, messages, **params) -> list[dict]:
+    """The SSE events of a streamed completion, as JSON; the last one is the string "[DONE]"."""
+    events = []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={"messages": messages, "stream": True, **params},
+                      timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def streamed_text(events) -> str:
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
+
+
+def assert_error(r, status: int, param=None, fragment: str = ""):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    assert err["param"] == param, err
+    assert fragment in err["message"], err
+    return err
+
+
+# -- the API ------------------------------------------------------------------------------------------------
+def test_health_and_models(server):
+    h = server.health()
+    assert h["model"] == MODEL and h["method"] == "criticalkv" and h["budget"] == "256"
+    r = httpx.get(server.url + "/v1/models", timeout=10).json()
+    assert r["object"] == "list" and [m["id"] for m in r["data"]] == [MODEL]
+
+
+def test_completion(server):
+    r = chat(server, GERMANY, max_tokens=24)
+    assert r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-") and r["model"] == MODEL
+    choice = r["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert "Berlin" in choice["message"]["content"]
+    assert choice["finish_reason"] == "stop"
+    u = r["usage"]
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] and 10 < u["prompt_tokens"] < 100
+    kv = r["kv"]
+    assert set(kv) >= {"tokens_kept", "tokens_seen", "bytes_allocated", "bytes_full", "method", "budget",
+                       "cache_reused", "compression_events"}
+    assert kv["method"] == "criticalkv" and kv["budget"] == "256" and kv["cache_reused"] is False
+    assert kv["tokens_seen"] == u["total_tokens"] and kv["bytes_allocated"] > 0
+
+
+def test_max_tokens_and_stop_strings(server):
+    r = chat(server, GERMANY, max_tokens=3, cache_prompt=False)
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 3
+    r = chat(server, GERMANY, max_completion_tokens=24, stop=["Berlin", "Paris"], cache_prompt=False)
+    text = r["choices"][0]["message"]["content"]
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert "capital" in text and "Berlin" not in text, text  # the model says "The capital of Germany is Berlin."
+    events = chat_stream(server, GERMANY, max_tokens=24, stop="Berlin", cache_prompt=False)
+    assert streamed_text(events) == text  # a stop string's beginning is held back, never streamed
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_greedy_stream_equals_non_stream(server):
+    plain = chat(server, JAPAN, max_tokens=24, temperature=0)
+    text = plain["choices"][0]["message"]["content"]
+    assert "Tokyo" in text
+    for reuse in (False, True):  # a fresh chat; then the cached one, taken back to before its reply
+        events = chat_stream(server, JAPAN, max_tokens=24, temperature=0, cache_prompt=reuse,
+                             stream_options={"include_usage": True})
+        assert events[-1] == "[DONE]"
+        first, finish, usage = events[0], events[-3], events[-2]
+        assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+        assert streamed_text(events) == text
+        assert finish["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+        assert "kv" in finish
+        assert usage["choices"] == [] and usage["usage"] == plain["usage"]
+        assert len({e["id"] for e in events[:-1]}) == 1
+
+
+def test_openai_client(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    r = client.chat.completions.create(model=MODEL, messages=GERMANY, max_tokens=24, temperature=0)
+    assert "Berlin" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens > 0
+    assert r.model_extra["kv"]["method"] == "criticalkv"
+    pieces, finish, usage = [], None, None
+    for c in client.chat.completions.create(model="anything", messages=JAPAN, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}):
+        if c.choices:
+            pieces.append(c.choices[0].delta.content or "")
+            finish = c.choices[0].finish_reason or finish
+        if c.usage:
+            usage = c.usage
+    assert "Tokyo" in "".join(pieces) and finish == "stop" and usage.completion_tokens > 0
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=GERMANY, top_p=0.0)
+    assert e.value.status_code == 400 and "top_p" in str(e.value)
+
+
+def test_bad_requests_then_serving_on(server):
+    url = server.url + "/v1/chat/completions"
+    post = lambda body: httpx.post(url, content=body if isinstance(body, str) else json.dumps(body), timeout=60)  # noqa: E731
+    assert_error(post("{not json"), 400, None, "not valid JSON")
+    assert_error(post("[1, 2]"), 400, None, "JSON object")
+    assert_error(post({}), 400, "messages", "required")
+    assert_error(post({"messages": []}), 400, "messages")
+    assert_error(post({"messages": [{"role": "assistant", "content": "Hi"}]}), 400, "messages[0].role", "alternate")
+    assert_error(post({"messages": GERMANY + [{"role": "assistant", "content": "Berlin."}]}), 400, "messages", "last message")
+    assert_error(post({"messages": [{"role": "user", "content": "Hi"}, {"role": "system", "content": "x"}]}), 400,
+                 "messages[1].role", "only come first")
+    assert_error(post({"messages": [{"role": "tool", "content": "x"}]}), 400, "messages[0].role")
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    assert_error(post({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]}),
+                 400, "messages[0].content[1].type", "text-only")
+    assert_error(post({"messages": GERMANY, "temperature": -1}), 400, "temperature", ">= 0")
+    assert_error(post({"messages": GERMANY, "top_p": 1.5}), 400, "top_p")
+    assert_error(post({"messages": GERMANY, "temperature": "hot"}), 400, "temperature", "a number")
+    assert_error(post({"messages": GERMANY, "max_tokens": 0}), 400, "max_tokens")
+    assert_error(post({"messages": GERMANY, "n": 2}), 400, "n")
+    assert_error(post({"messages": GERMANY, "stop": [""]}), 400, "stop")
+    assert_error(post({"messages": [{"role": "user", "content": "   "}]}), 400, "messages[0].content", "empty")
+    r = httpx.get(server.url + "/v1/nope", timeout=10)
+    assert_error(r, 404, None, "/v1/nope")
+    assert_error(httpx.get(url, timeout=10), 405, None)
+    # text parts are joined; the server is still fine after all that
+    parts = [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of Germany?"}]
+    r = chat(server, [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": parts}],
+             max_tokens=24)
+    assert "Berlin" in r["choices"][0]["message"]["content"]
+
+
+def test_two_clients_at_once_and_health_stays_free(server):
+    latencies, stop = [], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            t = time.perf_counter()
+            h = server.health()
+            if h["busy"]:
+                latencies.append(time.perf_counter() - t)
+            time.sleep(0.05)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            a = pool.submit(chat, server, GERMANY, max_tokens=32, cache_prompt=False)
+            b = pool.submit(chat_stream, server, JAPAN, max_tokens=32, cache_prompt=False)
+            germany, italy = a.result(), b.result()
+    finally:
+        stop.set()
+        poller.join()
+    assert "Berlin" in germany["choices"][0]["message"]["content"]
+    assert "Tokyo" in streamed_text(italy)
+    assert latencies, "/health never answered while a reply was generated"
+    assert max(latencies) < 2.0, latencies  # the event loop is not the worker
+
+
+@pytest.mark.slow  # two reads of a 2K-token message: 1-2 minutes on 2 busy cores
+def test_follow_up_reuses_the_compressed_cache(server):
+    prose = (REPO / "kvlocal/data/sample.txt").read_text() + "\n" + (REPO / "kvlocal/data/gpl-3.0.txt").read_text()[:4000]
+    first = [{"role": "user", "content": prose + "\n\nWho is speaking in the first dialogue of the text above?"}]
+    r1 = chat(server, first, max_tokens=8)
+    assert r1["usage"]["prompt_tokens"] > 1800 and r1["kv"]["cache_reused"] is False
+    assert r1["kv"]["tokens_kept"] < r1["kv"]["tokens_seen"] and r1["kv"]["compression_events"] > 0
+    follow = first + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                      {"role": "user", "content": "Which license is quoted at the end?"}]
+    t = time.perf_counter()
+    reused = chat(server, follow, max_tokens=8)
+    t_reused = time.perf_counter() - t
+    t = time.perf_counter()
+    fresh = chat(server, follow, max_tokens=8, cache_prompt=False)
+    t_fresh = time.perf_counter() - t
+    print(f"\nfollow-up to a {r1['usage']['prompt_tokens']}-token message: {t_reused:.2f} s reusing the compressed "
+          f"cache ({reused['usage']['prompt_tokens']} prompt tokens read), {t_fresh:.2f} s as a fresh conversation "
+          f"({fresh['usage']['prompt_tokens']} prompt tokens read)")
+    assert reused["kv"]["cache_reused"] is True and fresh["kv"]["cache_reused"] is False
+    assert reused["kv"]["tokens_reused"] == r1["kv"]["tokens_seen"]
+    assert reused["usage"]["prompt_tokens"] * 10 < fresh["usage"]["prompt_tokens"]
+    assert reused["kv"]["tokens_seen"] == r1["kv"]["tokens_seen"] + reused["usage"]["total_tokens"]
+    assert t_reused * 2 < t_fresh
+
+
+def test_client_leaving_mid_stream_stops_the_reply(server):
+    story = [{"role": "user", "content": "Write a very long story about a dragon who lives in a castle by the sea."}]
+    before = server.health()["served"]
+    with httpx.stream("POST", server.url + "/v1/chat/completions",
+                      json={"messages": story, "stream": True, "max_tokens": 400, "cache_prompt": False}, timeout=120) as r:
+        got = 0
+        for line in r.iter_lines():
+            got += line.startswith("data: ")
+            if got == 4:
+                break  # leaving the block closes the connection
+    t0 = time.time()
+    while time.time() - t0 < 30:
+        h = server.health()
+        if h["served"] > before and not h["busy"]:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the reply went on after the client left: {h}")
+    line = [ln for ln in server.log().splitlines() if " cancelled " in ln][-1]
+    completion = int(re.search(r"\+ (\d+) completion", line).group(1))
+    assert completion < 400, line
+    # the conversation stays cached with its partial reply; the server goes on
+    assert "Berlin" in chat(server, GERMANY, max_tokens=24)["choices"][0]["message"]["content"]
+
+
+def test_startup_usage_errors(server, tmp_path):
+    def fails(*args, fragment: str):
+        r = subprocess.run([*_serve_command(), *args], capture_output=True, text=True, timeout=120, cwd=REPO, env=_env())
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("kvlocal: error: ") and fragment in lines[0], r.stderr
+
+    fails(MODEL, "--port", "70000", fragment="--port 70000")
+    fails(MODEL, "--port", str(server.port), fragment="in use")
+    fails(str(tmp_path / "missing.gguf"), "--port", "0", fragment="no such file")
+    fails(MODEL, "--port", "0", "--budget", "abc", fragment="--budget")
+
+
+def test_api_key(smollm2, tmp_path):
+    s = Server(tmp_path / "stderr.txt", "--budget", "256", "--port", "0", "--api-key", "sesame", "-t", "2")
+    try:
+        url = s.url + "/v1/chat/completions"
+        body = {"messages": GERMANY, "max_tokens": 8}
+        assert_error(httpx.post(url, json=body, timeout=30), 401, None, "missing API key")
+        assert_error(httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}, timeout=30), 401, None)
+        assert_error(httpx.get(s.url + "/v1/models", timeout=30), 401, None)
+        assert httpx.get(s.url + "/health", timeout=30).status_code == 200
+        r = httpx.post(url, json=body, headers={"Authorization": "Bearer sesame"}, timeout=300)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert "warning" not in s.log()
+    finally:
+        s.stop()
+
+
+def test_public_address_warns_and_ctrl_c_stops_cleanly(smollm2, tmp_path):
+    s = Server(tmp_path / "stderr.txt", "--budget", "256", "--host", "0.0.0.0", "--port", "0")
+    try:
+        assert "warning: listening on 0.0.0.0 without --api-key" in s.log()
+        assert httpx.get(f"http://127.0.0.1:{s.port}/health", timeout=30).json()["status"] == "ok"
+    finally:
+        code = s.stop(signal.SIGINT)
+    assert code == 0, s.log()
+    assert "Traceback" not in s.log() and s.log().rstrip().endswith("kvlocal serve: stopped")
+
+
+# -- in process: the failure path and the pieces ------------------------------------------------------------
+@pytest.fixture
+def in_process(smollm2_model):
+    """An app on a Backend in this process, served by uvicorn on a thread; yields (url, backend)."""
+    import uvicorn
+
+    from kvlocal import server as srv
+
+    backend = srv.Backend(smollm2_model, MODEL, chat_options=dict(budget="256", method="criticalkv", n_threads=1),
+                          defaults={}, max_tokens=16)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(srv.create_app(backend), log_level="warning", access_log=False, lifespan="off")
+    userver = uvicorn.Server(config)
+    thread = threading.Thread(target=userver.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not userver.started:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", backend
+    userver.should_exit = True
+    thread.join(30)
+    backend.close()
+
+
+def test_generation_error_is_500_and_the_server_goes_on(in_process):
+    url, backend = in_process
+    make = backend.new_chat
+
+    def failing_chat(system):
+        chat = make(system)
+        send = chat.send
+
+        def broken(text, max_tokens=None):
+            if "explode" in text:
+                yield "partial"
+                raise RuntimeError("boom in llama.cpp")
+            yield from send(text, max_tokens)
+
+        chat.send = broken
+        return chat
+
+    backend.new_chat = failing_chat
+    post = lambda **body: httpx.post(url + "/v1/chat/completions", json=body, timeout=120)  # noqa: E731
+    boom = [{"role": "user", "content": "Please explode."}]
+    err = assert_error(post(messages=boom), 500, None, "boom in llama.cpp")
+    assert err["type"] == "server_error"
+    assert backend.cache.bytes == 0 and len(backend.cache) == 0  # the failed chat was dropped
+    # streaming: the error comes after the first piece, as an error event, then [DONE]
+    with httpx.stream("POST", url + "/v1/chat/completions", json={"messages": boom, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        data = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert data[-1] == "[DONE]" and "boom in llama.cpp" in json.loads(data[-2])["error"]["message"]
+    r = post(messages=GERMANY, max_tokens=24)
+    assert r.status_code == 200 and "Berlin" in r.json()["choices"][0]["message"]["content"]
+    assert len(backend.cache) == 1
+
+
+def test_conversation_cache_bounds():
+    from kvlocal.server import ConversationCache
+
+    class Fake:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    cache = ConversationCache(max_bytes=250, max_chats=3)
+    chats = [Fake() for _ in range(5)]
+    key = lambda i: (("user", str(i)), ("assistant", "ok"))  # noqa: E731
+    for i in range(3):
+        cache.put(key(i), chats[i], 100)  # the third one passes 250 bytes: the oldest goes
+    assert len(cache) == 2 and cache.bytes == 200 and chats[0].closed and cache.evictions == 1
+    assert cache.take(key(1)) is chats[1] and cache.bytes == 100
+    cache.put(key(1) + (("user", "more"), ("assistant", "yes")), chats[1], 100)
+    assert cache.take_parent(key(1) + (("user", "more"),)) is chats[1]
+    zero = ConversationCache(max_bytes=0, max_chats=8)  # --cache-mib 0: nothing is kept
+    zero.put(key(4), chats[4], 1)
+    assert len(zero) == 0 and chats[4].closed
+
+
+def test_stop_string_helpers():
+    from kvlocal.server import _find_stop, _partial_stop
+
+    assert _find_stop("The capital is Berlin.", ["Berlin", "is"], 0) == 12
+    assert _find_stop("abc", ["x"], 0) == -1
+    assert _partial_stop("The capital is Ber", ["Berlin"]) == 3
+    assert _partial_stop("The capital", ["Berlin"]) == 0
+    assert _partial_stop("ab\n", ["\n\n", "b\nc"]) == 2
