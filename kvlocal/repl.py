@@ -8,7 +8,6 @@ works the same way: one message per line, commands included, each echoed to stde
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from pathlib import Path
