@@ -119,14 +119,12 @@ class Chat:
         if not isinstance(text, str) or not text.strip():
             raise UsageError("the message is empty")
         with self._lock:
-            self._check_open()
-            before = self._checkpoint()
-            s0 = dataclasses.replace(self.engine.stats)
-            with self._undo_on_interrupt(before):
+            with self._turn() as before:  # reading the message: undone if interrupted
                 reply = self.session.ask(text, max_tokens or self.settings.max_reply)
             self._before_turn = (*before, text)
+            s0 = dataclasses.replace(self.engine.stats)
             try:
-                yield from reply
+                yield from reply  # a reply stopped early stays
             finally:
                 self._note_rates(s0)
 
@@ -138,14 +136,8 @@ class Chat:
         """Read a document (a path to a text file, or the text itself) into the cache now; it opens the next
         user message, and the next :meth:`send` asks about it. Returns its tokens. Ctrl-C cancels it."""
         text, name = _document(source, name)
-        with self._lock:
-            self._check_open()
-            before = self._checkpoint()
-            s0 = dataclasses.replace(self.engine.stats)
-            with self._undo_on_interrupt(before):
-                n = self.session.read(text, name=name, progress=progress)
-            self._note_rates(s0)
-            return n
+        with self._turn():
+            return self.session.read(text, name=name, progress=progress)
 
     def extend(self, messages: list[dict], progress: Progress | None = None) -> int:
         """Add an earlier conversation's finished messages (``{"role": "user"|"assistant", "content": ...}``)
@@ -153,14 +145,8 @@ class Chat:
         for m in messages:
             if not isinstance(m, dict) or m.get("role") not in ("user", "assistant") or not isinstance(m.get("content"), str):
                 raise UsageError(f"a message must be {{'role': 'user' or 'assistant', 'content': str}}, got {m!r:.80}")
-        with self._lock:
-            self._check_open()
-            before = self._checkpoint()
-            s0 = dataclasses.replace(self.engine.stats)
-            with self._undo_on_interrupt(before):
-                n = self.session.extend(messages, progress)
-            self._note_rates(s0)
-            return n
+        with self._turn():
+            return self.session.extend(messages, progress)
 
     def regen(self, max_tokens: int | None = None) -> Iterator[str]:
         """Take back the last reply and generate it again (another draw when sampling)."""
@@ -330,13 +316,19 @@ class Chat:
         self.session.t = transcript.copy()
 
     @contextlib.contextmanager
-    def _undo_on_interrupt(self, before):
-        """Put the chat back as it was if reading a message is interrupted or refused."""
-        try:
-            yield
-        except (KeyboardInterrupt, UsageError):
-            self._rollback(*before)
-            raise
+    def _turn(self):
+        """Feed the cache under the lock: a snapshot before (yielded), restored if the feeding is interrupted
+        (Ctrl-C) or refused; the speeds of what was read after."""
+        with self._lock:
+            self._check_open()
+            before = self._checkpoint()
+            s0 = dataclasses.replace(self.engine.stats)
+            try:
+                yield before
+            except (KeyboardInterrupt, UsageError):
+                self._rollback(*before)
+                raise
+            self._note_rates(s0)
 
     def _note_rates(self, s0) -> None:
         s = self.engine.stats

@@ -153,3 +153,20 @@ def test_positions_move_on_a_sliding_window_model(gemma3_model):
     out = gemma3_model.detokenize(list(engine.generate(6)))
     assert engine.stats.repositions >= 3 and engine.n_past <= 1400 < len(tokens)
     assert key in out, out
+
+
+@pytest.mark.parametrize("model, method", [("smollm2_model", "kvslimmer"), ("gemma3_model", "criticalkv")])
+def test_saved_merged_and_sliding_window_sessions_reload(request, tmp_path, model, method):
+    """What the criticalkv session above does not hold: merged slots (counts and log-count biases) and
+    a sliding-window model's second cache come back from a file as they were."""
+    model = request.getfixturevalue(model)
+    with Chat(model, budget=256, method=method) as chat:
+        chat.read(LICENSE[:5000], name="license")
+        chat.save(tmp_path / "s.kvl")
+        counts = chat.engine._slot_count.copy()
+        expected = chat.ask(Q2, 12)
+    if method == "kvslimmer":
+        assert counts.max() > 1  # the file holds merged slots
+    with Chat.load(tmp_path / "s.kvl", model=model) as chat:
+        assert np.array_equal(chat.engine._slot_count, counts)
+        assert chat.ask(Q2, 12) == expected

@@ -273,14 +273,14 @@ def test_session(term, smollm2, tmp_path):
     t.line("/stats")
     rows = t.expect(r"  model +SmolLM2-135M-Instruct\.Q4_1\.gguf\n"
                     r"  method +criticalkv, budget 256: 256 cells \(512 allocated\)\n"
-                    r"  tokens +([\d,]+) seen \(([\d,]+) read, ([\d,]+) generated\), ([\d,]+) kept\n"
+                    r"  tokens +([\d,]+) seen \(([\d,]+) read, ([\d,]+) generated, ([\d,]+) end-of-reply\), ([\d,]+) kept\n"
                     r"  KV memory +[\d,.]+ MiB; a full cache for [\d,]+ tokens: [\d,.]+ MiB\n"
                     r"  compression +(\d+) events, [\d.]+ s[^\n]*\n"
                     r"  speed +last turn: prompt [\d,.]+ t/s, gen [\d,.]+ t/s; all: read [\d.]+ s, generate [\d.]+ s\n"
                     r"  positions +moved back under the trained 8,192 0 times\n"
                     r"  messages +(\d+)\n")
-    assert _n(rows[1]) == _n(rows[2]) + _n(rows[3]) and _n(rows[4]) < _n(rows[1]) and int(rows[5]) > 0
-    assert rows[6] == "8"  # 4 messages, each with one reply
+    assert _n(rows[1]) == _n(rows[2]) + _n(rows[3]) + _n(rows[4]) and _n(rows[5]) < _n(rows[1]) and int(rows[6]) > 0
+    assert rows[7] == "8"  # 4 messages, each with one reply
     t.prompt()
 
     t.line("/help")

@@ -68,7 +68,11 @@ class Model:
             llama_lib().llama_model_free(self._ptr)
             self._ptr = None
 
-    __del__ = close
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except TypeError:  # at interpreter exit, llama_cpp's module globals may already be gone
+            pass
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(4096)
