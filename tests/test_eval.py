@@ -100,7 +100,7 @@ def test_quick_eval_is_complete_sane_and_resumable(smollm2, tmp_path):
         if rec["task"] == "continuation":
             assert rec["mean_kl"] >= 0
     assert full["continuation"]["score"] == 1.0 and full["continuation"]["mean_kl"] == pytest.approx(0, abs=1e-6)
-    q8 = [r for r in records if r["method"] == "full-q8_0"]
+    q8 = [r for r in records if r["method"] == "full-kv-q8_0"]
     assert q8 and all(r["kv_bytes_allocated"] < full[r["task"]]["kv_bytes_allocated"] for r in q8)
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert len(rows) == len(records) and all(row["loss"] != "" or float(row["full_score"] or 0) == 0 for row in rows)

@@ -16,7 +16,7 @@ METHOD_CHOICES = (*EVICTION, *KV_BASELINES)
 DEFAULTS = {"models": ["smollm2-135m"], "methods": ["streaming", "snapkv", "criticalkv", *KV_BASELINES],
             "budgets": ["0.05", "0.1", "0.2", "0.4"], "tasks": list(TASKS), "tokens": 2048, "items": None}
 # a smoke test: a few minutes on 2 busy cores
-QUICK = {"models": ["smollm2-135m"], "methods": ["streaming", "criticalkv", "full-q8_0"], "budgets": ["0.1", "0.2"],
+QUICK = {"models": ["smollm2-135m"], "methods": ["streaming", "criticalkv", "full-kv-q8_0"], "budgets": ["0.1", "0.2"],
          "tasks": ["needle", "continuation"], "tokens": 400, "items": 1}
 
 
@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="task seed (default 0)")
     p.add_argument("--quick", action="store_true",
                    help="a smoke test: smollm2-135m, 400 tokens, needle and continuation, streaming, criticalkv "
-                        "and q8_0 K, budgets 0.1 0.2 (options given explicitly still apply)")
+                        "and the q8_0 K+V full cache, budgets 0.1 0.2 (options given explicitly still apply)")
     p.add_argument("-t", "--threads", type=int, default=None,
                    help="llama.cpp threads (default: cores, at most 8; 1 is faster on a machine already busy)")
 

@@ -121,7 +121,8 @@ def plots(records: list[dict], out: Path) -> list[Path]:
     return written
 
 
-COLORS = {"full": "black", "full-q8_0": "tab:orange", "full-q4_0": "tab:brown", "streaming": "tab:green",
+COLORS = {"full": "black", "full-q8_0": "tab:orange", "full-q4_0": "tab:brown", "full-kv-q8_0": "gold",
+          "full-kv-q4_0": "tab:pink", "streaming": "tab:green",
           "snapkv": "tab:blue", "criticalkv": "tab:red"}
 DASHES = {"agnostic": "--"}  # question-aware and query-free methods: solid
 

@@ -7,8 +7,9 @@ appended to ``results.jsonl`` as they finish; a run whose key is already there i
 the same command continues where a stopped one left off.
 
 Every task also runs on the full F16 cache (``full``, the reference of compression loss and of the
-continuation metrics). ``full-q8_0`` and ``full-q4_0`` are the full cache with a quantized K cache
-(llama.cpp's ``-ctk``): the memory baselines eviction must beat at equal KV bytes.
+continuation metrics). The memory baselines compression must beat at equal KV bytes: ``full-kv-q8_0``
+and ``full-kv-q4_0`` are the full cache with K and V quantized (llama.cpp's ``-ctk``/``-ctv``; a
+quantized V cache runs with flash attention), ``full-q8_0`` and ``full-q4_0`` with K alone (``-ctk``).
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from ..session import ChatSession
 from ..verify import compare_logits
 from .tasks import CHAT_TASKS, Item, Prose, make_items, score
 
-# full cache with a quantized K cache: ggml type of K (V stays F16: the Engine passes only type_k, and a
-# quantized V cache needs flash attention in llama.cpp)
-KV_BASELINES = {"full-q8_0": 8, "full-q4_0": 2}
+# full caches with quantized K (and V): ggml types (8 = q8_0, 2 = q4_0; None = F16). llama.cpp stores a
+# quantized V cache only with flash attention, which the Engine then turns on
+KV_BASELINES = {"full-q8_0": (8, None), "full-q4_0": (2, None), "full-kv-q8_0": (8, 8), "full-kv-q4_0": (2, 2)}
 # every compression method the engine has (eviction, head budgets, merging): the registry, less "full"
 EVICTION = tuple(m for m in METHODS if m != "full")
 QUERY_FREE = ("streaming",)  # methods that never look at the probe: one observation mode, "-"
@@ -121,8 +122,9 @@ class Runner:
 
     def engine(self, spec: Spec, max_tokens: int) -> Engine:
         method = "full" if spec.method in KV_BASELINES else spec.method
+        type_k, type_v = KV_BASELINES.get(spec.method, (None, None))
         return Engine(self.model, "1" if method == "full" else spec.budget, method, max_tokens=max_tokens,
-                      n_threads=self.n_threads, type_k=KV_BASELINES.get(spec.method))
+                      n_threads=self.n_threads, type_k=type_k, type_v=type_v)
 
     def run(self, spec: Spec, n_items: int | None = None) -> dict:
         """One spec over its task's items -> the record (without the command)."""
