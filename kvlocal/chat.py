@@ -113,14 +113,15 @@ class Chat:
             raise
 
     # -- conversation ---------------------------------------------------------------------------------
-    def send(self, text: str, max_tokens: int | None = None) -> Iterator[str]:
+    def send(self, text: str, max_tokens: int | None = None, progress: Progress | None = None) -> Iterator[str]:
         """Add a user message and stream the reply's text (lazily: nothing happens until iterated).
-        Ctrl-C while the message is read leaves the chat as it was; during the reply, keeps the reply so far."""
+        Ctrl-C — or any exception, e.g. one raised by ``progress(done, total)`` to cancel — while the
+        message is read leaves the chat as it was; during the reply, the reply so far stays."""
         if not isinstance(text, str) or not text.strip():
             raise UsageError("the message is empty")
         with self._lock:
             with self._turn() as before:  # reading the message: undone if interrupted
-                reply = self.session.ask(text, max_tokens or self.settings.max_reply)
+                reply = self.session.ask(text, max_tokens or self.settings.max_reply, progress)
             self._before_turn = (*before, text)
             s0 = dataclasses.replace(self.engine.stats)
             try:
@@ -318,15 +319,16 @@ class Chat:
     @contextlib.contextmanager
     def _turn(self):
         """Feed the cache under the lock: a snapshot before (yielded), restored if the feeding is interrupted
-        (Ctrl-C) or refused; the speeds of what was read after."""
+        (Ctrl-C), refused or cancelled (any exception); the speeds of what was read after."""
         with self._lock:
             self._check_open()
             before = self._checkpoint()
             s0 = dataclasses.replace(self.engine.stats)
             try:
                 yield before
-            except (KeyboardInterrupt, UsageError):
-                self._rollback(*before)
+            except BaseException:
+                with contextlib.suppress(Exception):  # an engine that lost its cache cannot be restored
+                    self._rollback(*before)
                 raise
             self._note_rates(s0)
 

@@ -363,6 +363,13 @@ class Backend:
     def _generate(self, job: Job) -> Result:
         t0 = time.perf_counter()
         chat, mode = self._checkout(job)
+
+        def check(done: int, total: int) -> None:  # between the chunks of a long read
+            if job.cancelled.is_set():
+                raise _Gone()
+            if self.stopping.is_set():
+                raise _ShuttingDown()
+
         try:
             chat.sampler = job.sampler
             reply = None
@@ -379,9 +386,9 @@ class Backend:
             if mode == "new":
                 history = [m for m in job.messages[:-1] if m["role"] != "system"]
                 if history:
-                    chat.extend(history)
+                    chat.extend(history, progress=check)
             if reply is None:
-                reply = chat.send(job.messages[-1]["content"], job.max_tokens)
+                reply = chat.send(job.messages[-1]["content"], job.max_tokens, progress=check)
             text, finish = self._drain(reply, job)
             s = chat.engine.stats
             prompt, completion = s.prompt_tokens - p0, s.generated_tokens - g0
@@ -392,6 +399,12 @@ class Backend:
                   "bytes_full": st.kv_bytes_full, "method": st.method, "budget": st.budget,
                   "budget_cells": st.budget_cells, "cache_reused": reused > 0, "tokens_reused": reused,
                   "compression_events": st.compression_events}
+        except (_Gone, _ShuttingDown):
+            if mode == "continue":  # stopped while the new message was read: Chat put itself back as it was
+                self.cache.put(job.key[:-1], chat, chat.stats.kv_bytes)
+            else:
+                chat.close()
+            raise
         except BaseException:
             chat.close()  # a failed chat is not kept
             raise

@@ -76,14 +76,14 @@ class ChatSession:
         self.t.fed_text = self.model.chat_prompt(self.t.messages, add_assistant=False)
         return len(tokens)
 
-    def ask(self, user_text: str, max_tokens: int = 512) -> Iterator[str]:
+    def ask(self, user_text: str, max_tokens: int = 512, progress: Callable[[int, int], None] | None = None) -> Iterator[str]:
         """Add a user turn (after any document read) and stream the reply's text. If the caller stops
         early (Ctrl-C, or closing the iterator), the reply so far stays in the transcript and the cache."""
         t = self.t
         t.messages.append({"role": "user", "content": t.pending + user_text})
         t.pending = ""
         tokens = self._tokens(self._delta(add_assistant=True))
-        self.engine.append(tokens, probe=tokens)
+        self.engine.append(tokens, probe=tokens, progress=progress)
         t.fed_text = self.model.chat_prompt(t.messages, add_assistant=True)
         return self._reply(max_tokens)
 

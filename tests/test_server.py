@@ -318,6 +318,26 @@ def test_client_leaving_mid_stream_stops_the_reply(server):
     assert "Berlin" in chat(server, GERMANY, max_tokens=24)["choices"][0]["message"]["content"]
 
 
+def test_client_leaving_during_a_long_read_keeps_the_conversation(server):
+    """A follow-up whose new message is long, abandoned by its client while the server reads it: the read
+    stops within a chunk, the conversation stays cached as it was, and the next follow-up reuses it."""
+    first = [{"role": "user", "content": "Remember the word 'lighthouse'. Say OK."}]
+    r1 = chat(server, first, max_tokens=4)
+    base = first + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]}]
+    long_message = (REPO / "kvlocal/data/gpl-3.0.txt").read_text()[:9000] + "\n\nSummarize this."
+    t0 = time.perf_counter()
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/chat/completions", timeout=2,
+                   json={"messages": base + [{"role": "user", "content": long_message}], "max_tokens": 4})
+    while server.health()["busy"] and time.perf_counter() - t0 < 60:
+        time.sleep(0.1)
+    stopped_after = time.perf_counter() - t0
+    print(f"\na ~2,000-token read abandoned after 2 s stopped {stopped_after:.1f} s after the request")
+    assert stopped_after < 12  # reading it whole takes ~20 s here
+    again = chat(server, base + [{"role": "user", "content": "Which word did I ask you to remember?"}], max_tokens=8)
+    assert again["kv"]["cache_reused"] is True and again["kv"]["tokens_reused"] == r1["kv"]["tokens_seen"]
+
+
 def test_startup_usage_errors(server, tmp_path):
     def fails(*args, fragment: str):
         r = subprocess.run([*_serve_command(), *args], capture_output=True, text=True, timeout=120, cwd=REPO, env=_env())
@@ -393,11 +413,11 @@ def test_generation_error_is_500_and_the_server_goes_on(in_process):
         chat = make(system)
         send = chat.send
 
-        def broken(text, max_tokens=None):
+        def broken(text, max_tokens=None, progress=None):
             if "explode" in text:
                 yield "partial"
                 raise RuntimeError("boom in llama.cpp")
-            yield from send(text, max_tokens)
+            yield from send(text, max_tokens, progress)
 
         chat.send = broken
         return chat
