@@ -333,7 +333,7 @@ def test_client_leaving_during_a_long_read_keeps_the_conversation(server):
         time.sleep(0.1)
     stopped_after = time.perf_counter() - t0
     print(f"\na ~2,000-token read abandoned after 2 s stopped {stopped_after:.1f} s after the request")
-    assert stopped_after < 12  # reading it whole takes ~20 s here
+    assert stopped_after < 15  # reading it whole takes ~20 s here (2 s + a chunk or two when stopped)
     again = chat(server, base + [{"role": "user", "content": "Which word did I ask you to remember?"}], max_tokens=8)
     assert again["kv"]["cache_reused"] is True and again["kv"]["tokens_reused"] == r1["kv"]["tokens_seen"]
 
