@@ -96,6 +96,17 @@ def run_cli(*args: str, input: str | None = None, env: dict | None = None, timeo
     )
 
 
+def assert_usage_error(r, *fragments):
+    """A CLI run that failed as a user error should: exit 2, no traceback, the last line one
+    ``kvlocal: error:`` line holding every fragment."""
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines and lines[-1].startswith("kvlocal: error: "), r.stderr
+    for f in fragments:
+        assert f in lines[-1], lines[-1]
+
+
 @pytest.fixture
 def wheelhouse(tmp_path, monkeypatch):
     """A local package index for `kvlocal pull`: pip reads only this folder (no network).

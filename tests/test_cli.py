@@ -6,18 +6,9 @@ import re
 
 import pytest
 
-from conftest import run_cli
+from conftest import assert_usage_error, run_cli
 from kvlocal import models
 from kvlocal.errors import UsageError
-
-
-def assert_usage_error(r, *fragments):
-    assert r.returncode == 2, r.stderr
-    assert "Traceback" not in r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert lines and lines[-1].startswith("kvlocal: error: "), r.stderr
-    for f in fragments:
-        assert f in lines[-1], lines[-1]
 
 
 def test_help_and_version():

@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from conftest import run_cli
+from conftest import assert_usage_error, run_cli
 from kvlocal.errors import UsageError
 from kvlocal.hub import HubSpec, parse, pick
 
@@ -28,15 +28,6 @@ import tiny_gguf  # noqa: E402
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO = "kvtest/Tiny-GGUF"
-
-
-def assert_usage_error(r, *fragments):
-    assert r.returncode == 2, r.stderr
-    assert "Traceback" not in r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert lines and lines[-1].startswith("kvlocal: error: "), r.stderr
-    for f in fragments:
-        assert f in lines[-1], lines[-1]
 
 
 class Hub(ThreadingHTTPServer):
