@@ -36,6 +36,7 @@ from . import __version__, saved
 from .engine import Budget, Engine, EngineState, pad_cells
 from .errors import UsageError
 from .runtime import Model, runtime_info
+from .runtime.kvquant import cache_type
 from .runtime.llama import kv_cache_bytes
 from .sampling import Sampler
 from .session import ChatSession, Transcript
@@ -55,6 +56,8 @@ class ChatSettings:
     flash_attn: bool = False
     system: str | None = None
     max_reply: int = 512  # most tokens of one reply
+    cache_type_k: str = "f16"  # llama.cpp's -ctk / -ctv names
+    cache_type_v: str = "f16"
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,13 @@ class Chat:
         n_gpu_layers: int = 0,
         flash_attn: bool = False,
         n_threads: int | None = None,
+        cache_type_k: str = "f16",
+        cache_type_v: str = "f16",
     ):
-        settings = ChatSettings(str(Budget.parse(budget)), method, ctx_size, chunk, window, flash_attn, system, max_reply)
+        for t in (cache_type_k, cache_type_v):
+            cache_type(t)  # UsageError naming the choices, before a model is loaded
+        settings = ChatSettings(str(Budget.parse(budget)), method, ctx_size, chunk, window, flash_attn, system, max_reply,
+                                cache_type_k.lower(), cache_type_v.lower())
         if isinstance(model, Model):
             self.model, self._own_model = model, False
         else:
@@ -201,7 +209,8 @@ class Chat:
             seen = s.tokens_seen
             return ChatStats(
                 tokens_seen=seen, kv_tokens_kept=s.kv_cells_live, kv_cells_allocated=s.n_ctx, budget_cells=e.budget_cells,
-                kv_bytes=s.kv_bytes_allocated, kv_bytes_full=sum(kv_cache_bytes(self.model, pad_cells(max(seen, 1)), bias=False)),
+                kv_bytes=s.kv_bytes_allocated, kv_bytes_full=sum(kv_cache_bytes(self.model, pad_cells(max(seen, 1)), bias=False,
+                                                                 bytes_per_elem=self.engine.bytes_per_value)),
                 compression_events=s.compression_events, repositions=s.repositions,
                 prompt_tokens_per_s=self._turn_rates[0], gen_tokens_per_s=self._turn_rates[1],
                 method=self.settings.method, budget=self.settings.budget)
@@ -268,7 +277,8 @@ class Chat:
         s = ChatSettings(**h["settings"])
         chat = cls(model if isinstance(model, Model) else model_path, s.budget, s.method, system=s.system, sampler=sampler,
                    ctx_size=s.ctx_size, chunk=s.chunk, window=s.window, max_reply=s.max_reply,
-                   n_gpu_layers=n_gpu_layers, flash_attn=s.flash_attn, n_threads=n_threads)
+                   n_gpu_layers=n_gpu_layers, flash_attn=s.flash_attn, n_threads=n_threads,
+                   cache_type_k=s.cache_type_k, cache_type_v=s.cache_type_v)
         try:
             a, e = f.arrays, h["engine"]
             chat.engine.restore(EngineState(
@@ -307,7 +317,8 @@ class Chat:
     def _new_engine(self, s: ChatSettings) -> Engine:
         cap = s.ctx_size or self.model.n_ctx_train
         return Engine(self.model, s.budget, s.method, max_tokens=cap, chunk=s.chunk, window=s.window,
-                      flash_attn=s.flash_attn, n_threads=self._threads, endless=s.method != "full")
+                      flash_attn=s.flash_attn, n_threads=self._threads, endless=s.method != "full",
+                      type_k=cache_type(s.cache_type_k), type_v=cache_type(s.cache_type_v))
 
     def _checkpoint(self) -> tuple[EngineState, Transcript]:
         return self.engine.snapshot(), self.session.t.copy()

@@ -29,6 +29,11 @@ def _llama_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU (default 0)")
     p.add_argument("-fa", "--flash-attn", action="store_true", help="use flash attention (off by default: slower for CPU decode)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: cores, at most 8)")
+    types = "f16, q8_0, q4_0, q4_1, q5_0, q5_1, bf16, f32"
+    p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE",
+                   help=f"KV cache type for K ({types}; default f16): compression runs on it, evicting quantized rows as they are")
+    p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE",
+                   help="KV cache type for V (default f16; a quantized V turns flash attention on, as llama.cpp needs)")
 
 
 def cmd_doctor(args) -> int:
@@ -129,7 +134,14 @@ def _engine(args, model, max_tokens: int):
         print(f"kvlocal: warning: {max_tokens} tokens exceed the {model.n_ctx_train} the model was trained on; positions extrapolate",
               file=sys.stderr)
     return Engine(model, budget, args.method, max_tokens=max_tokens, chunk=args.chunk, window=args.window,
-                  flash_attn=args.flash_attn, n_threads=args.threads)
+                  flash_attn=args.flash_attn, n_threads=args.threads, **cache_types(args))
+
+
+def cache_types(args) -> dict:
+    """``-ctk``/``-ctv`` → the Engine's ``type_k``/``type_v`` (ggml types; UsageError for an unknown name)."""
+    from .runtime.kvquant import cache_type
+
+    return dict(type_k=cache_type(args.cache_type_k), type_v=cache_type(args.cache_type_v))
 
 
 def cmd_chat(args) -> int:

@@ -59,6 +59,7 @@ from .errors import UsageError
 from .gguf_file import dequantize_tensor, read_gguf
 from .runtime import Context, Model
 from .runtime.capture import QueryCapture
+from .runtime.kvquant import CacheBasis, bytes_per_value
 from .runtime.library import has_attention_bias
 from .runtime.llama import N_UBATCH, kv_cache_bytes
 from .runtime.state import CacheLost, SeqKV, clear_seq, get_blob, read_seq, set_blob, write_seq
@@ -227,8 +228,6 @@ class Engine:
         budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
         self.cfg = EngineConfig(budget, method, chunk, window, n_sink, max_tokens)
         self.cfg.validate()
-        if (type_k not in (None, 1) or type_v not in (None, 1)) and method != "full":  # 1 = GGML_TYPE_F16
-            raise UsageError("compression with a quantized KV cache is not supported yet (K is stored Hadamard-rotated): use the default F16 cache or --method full")
         self.scorer = make_scorer(method)
         if method in BIAS_METHODS and not has_attention_bias():
             raise UsageError(f"--method {method} needs kvlocal's patched llama.cpp (a per-head attention bias, "
@@ -237,6 +236,9 @@ class Engine:
         m = self.model
         self.layers = m.arch.full_layers  # the model layers whose cache is compressed (all but sliding ones)
         self.head_dim = m.arch.head_dim_k
+        # how the cache stores rows: a quantized one as raw blocks, K (and V) Walsh–Hadamard-rotated
+        self.basis = None if method == "full" else CacheBasis.for_cache(type_k, type_v, m.arch.head_dim_k, m.arch.head_dim_v)
+        self.bytes_per_value = (bytes_per_value(type_k) + bytes_per_value(type_v)) / 2  # of K and V, for the formulas
         # the scorers compute q·k/√d; the model's logits are q·k·attn_scale: scale the queries once
         self._q_scale = np.float32(m.arch.attn_scale * math.sqrt(self.head_dim))
         floor = n_sink + window
@@ -262,8 +264,10 @@ class Engine:
         self.stats = EngineStats(n_ctx=self.ctx.n_ctx, budget_cells=self.budget_cells,
                                  kv_bytes_allocated=sum(allocated), kv_bytes_swa=allocated[1],
                                  kv_bytes_measured=measured is not None,
-                                 # stock llama.cpp allocates a full cache for every token the session may see
-                                 kv_bytes_full=sum(kv_cache_bytes(m, pad_cells(max_tokens), bias=False)))
+                                 # stock llama.cpp allocates a full cache (of the same types) for every token
+                                 # the session may see
+                                 kv_bytes_full=sum(kv_cache_bytes(m, pad_cells(max_tokens), bias=False,
+                                                                  bytes_per_elem=self.bytes_per_value)))
         self._broken: str | None = None  # set when a failed rewrite lost the cache: nothing more may run
         self.n_past = 0  # next position
         self.logits: np.ndarray | None = None
@@ -595,14 +599,15 @@ class Engine:
         counts = self._carry(kv.pos, self._slot_count, np.ones((n_cl, hkv, kv.n), np.int64))
         t2 = clock()
         host = kv.blob.nbytes if kv.blob is not None else 0
+        basis = self.basis
 
         def layer_inputs():
             for i, il in enumerate(self.layers):  # i: index in the compressed cache, il: the model's layer
                 yield LayerInputs(
-                    k=kv.k[i].transpose(1, 0, 2).astype(np.float32),  # [Hkv, n, d]
-                    v=kv.v[i].transpose(1, 0, 2).astype(np.float32),
+                    k=basis.keys(kv.k[i].transpose(1, 0, 2)),  # [Hkv, n, d] float32, in the stored basis
+                    v=basis.values(kv.v[i].transpose(1, 0, 2)),  # as the model computed them
                     pos=true[i],  # [Hkv, n]
-                    q=q[i] * self._q_scale,
+                    q=basis.queries(q[i] * self._q_scale),  # in the keys' basis
                     q_pos=q_pos,
                     wo=self._wo[il] if self._wo is not None else None,
                     layer=il,
@@ -613,7 +618,7 @@ class Engine:
                 )
 
         plan = plan_layers(self.scorer, layer_inputs(), budget)
-        host += 2 * kv.k[0].size * 4  # one layer's K and V in float32 at a time
+        host += 2 * kv.n * hkv * self.head_dim * 4  # one layer's K and V in float32 at a time
         self.last_plan = plan
         t3 = clock()
         host = max(host, (kv.blob.nbytes if kv.blob is not None else 0) + self._apply(kv, plan, vnorm, counts))
@@ -630,7 +635,7 @@ class Engine:
         (:meth:`Plan.materialize`), each with its bias (``log(count)``, ``-inf`` for an empty slot).
         Returns the bytes of the new rows it held on the host (float32, every layer)."""
         slot_pos = plan.slot_positions()
-        k, v, slot_counts, bias = plan.materialize(kv.k, kv.v, counts)
+        k, v, slot_counts, bias = plan.materialize(kv.k, kv.v, counts, self.basis.k_codec, self.basis.v_codec)
         # cell-major rows for the state; no bias section at all while every slot holds one plain token
         cell_bias = [b.T for b in bias] if np.any(slot_counts != 1) else None
         # projected value norms stay valid for rows copied unchanged

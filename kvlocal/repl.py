@@ -291,7 +291,7 @@ def run(args) -> int:
         else:
             chat = Chat(model, args.budget, args.method, system=args.system, sampler=sampler, ctx_size=args.ctx_size,
                         chunk=args.chunk, window=args.window, max_reply=args.n_predict, flash_attn=args.flash_attn,
-                        n_threads=args.threads)
+                        n_threads=args.threads, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
         with chat:
             interactive = sys.stdin.isatty()
             repl = Repl(chat, interactive)

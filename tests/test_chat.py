@@ -154,12 +154,14 @@ def test_positions_move_on_a_sliding_window_model(gemma3_model):
     assert key in out, out
 
 
-@pytest.mark.parametrize("model, method", [("smollm2_model", "kvslimmer"), ("gemma3_model", "criticalkv")])
-def test_saved_merged_and_sliding_window_sessions_reload(request, tmp_path, model, method):
-    """What the criticalkv session above does not hold: merged slots (counts and log-count biases) and
-    a sliding-window model's second cache come back from a file as they were."""
+@pytest.mark.parametrize("model, method, cache", [("smollm2_model", "kvslimmer", "f16"), ("gemma3_model", "criticalkv", "f16"),
+                                                  ("smollm2_model", "kvslimmer", "q8_0")])
+def test_saved_merged_and_sliding_window_sessions_reload(request, tmp_path, model, method, cache):
+    """What the criticalkv session above does not hold: merged slots (counts and log-count biases), a
+    sliding-window model's second cache and a q8_0 cache (merged rows re-quantized) come back from a
+    file as they were."""
     model = request.getfixturevalue(model)
-    with Chat(model, budget=256, method=method) as chat:
+    with Chat(model, budget=256, method=method, cache_type_k=cache, cache_type_v=cache) as chat:
         chat.read(LICENSE[:5000], name="license")
         chat.save(tmp_path / "s.kvl")
         counts = chat.engine._slot_count.copy()
@@ -167,5 +169,6 @@ def test_saved_merged_and_sliding_window_sessions_reload(request, tmp_path, mode
     if method == "kvslimmer":
         assert counts.max() > 1  # the file holds merged slots
     with Chat.load(tmp_path / "s.kvl", model=model) as chat:
+        assert chat.settings.cache_type_k == chat.settings.cache_type_v == cache
         assert np.array_equal(chat.engine._slot_count, counts)
         assert chat.ask(Q2, 12) == expected

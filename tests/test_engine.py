@@ -488,8 +488,47 @@ def test_budget_parse_and_floor(smollm2_model):
         Engine(smollm2_model, 20, max_tokens=1000, window=WINDOW, n_sink=N_SINK)
     with pytest.raises(UsageError, match="unknown compression method"):
         Engine(smollm2_model, 64, "nope", max_tokens=1000)
-    with pytest.raises(UsageError, match="quantized"):
-        Engine(smollm2_model, 64, "criticalkv", max_tokens=1000, type_k=8)  # Q8_0
+    with pytest.raises(UsageError, match="IQ4_NL KV cache is not supported: use f16"):
+        Engine(smollm2_model, 64, "criticalkv", max_tokens=1000, type_k=20)  # a type kvlocal cannot rewrite
+
+
+def kept_jaccard(a: Plan, b: Plan) -> float:
+    """Mean over layers and KV heads of |A ∩ B| / |A ∪ B| of the kept source positions."""
+    out = []
+    for x, y in zip(a.positions.reshape(-1, a.positions.shape[-1]), b.positions.reshape(-1, b.positions.shape[-1])):
+        x, y = set(x[x >= 0].tolist()), set(y[y >= 0].tolist())
+        out.append(len(x & y) / len(x | y))
+    return float(np.mean(out))
+
+
+def test_eviction_on_a_quantized_cache_scores_in_the_rotated_basis(smollm2_model, text_tokens, monkeypatch):
+    """A q8_0 K and V cache holds Walsh–Hadamard-rotated rows: scoring them with rotated queries keeps
+    nearly the F16 cache's sets (what differs is q8_0's noise); scoring them with the model's own queries
+    keeps other tokens. Kept rows are copied as raw bytes; KVSlimmer's merged rows are quantized again."""
+    from kvlocal.runtime import kvquant
+
+    tokens = text_tokens[:600]
+
+    def plan_of(method, **types):
+        eng = Engine(smollm2_model, 0.2, method, max_tokens=len(tokens) + 8, n_threads=THREADS, **types)
+        eng.prefill(tokens, probe=tokens[-WINDOW:])
+        reply = list(eng.generate(8))
+        assert eng.stats.compression_events >= 2
+        return eng, reply
+
+    f16, f16_reply = plan_of("criticalkv")
+    q8, q8_reply = plan_of("criticalkv", type_k=8, type_v=8)
+    assert q8.basis.k_rot == 64 and q8.stats.kv_bytes_allocated < 0.6 * f16.stats.kv_bytes_allocated
+    rotated = kept_jaccard(f16.prompt_plan, q8.prompt_plan)
+    monkeypatch.setattr(kvquant.CacheBasis, "queries", lambda self, q: q)  # forget the rotation
+    unrotated = kept_jaccard(f16.prompt_plan, plan_of("criticalkv", type_k=8, type_v=8)[0].prompt_plan)
+    monkeypatch.undo()
+    print(f"kept-set Jaccard with the F16 cache: rotated queries {rotated:.3f}, unrotated {unrotated:.3f}")
+    assert rotated > 0.9 and unrotated < rotated - 0.15, (rotated, unrotated)
+    assert q8_reply[:3] == f16_reply[:3]
+
+    merged, _ = plan_of("kvslimmer", type_k=8, type_v=8)
+    assert (merged._slot_count > 1).any()
 
 
 @pytest.fixture(scope="module")

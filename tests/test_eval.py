@@ -47,6 +47,20 @@ def test_plan_runs_the_full_cache_first_and_each_probe_where_it_matters():
     assert chat == {("full", "-"), ("full-q4_0", "-"), ("streaming", "-"), ("criticalkv", "chat")}
 
 
+def test_methods_run_on_quantized_caches_as_method_at_cache():
+    from kvlocal.eval.runner import split_method
+
+    assert split_method("criticalkv@kv-q8_0") == ("criticalkv", (8, 8))
+    assert split_method("streaming@q4_0") == ("streaming", (2, None))
+    assert split_method("full-kv-q4_0") == ("full", (2, 2)) and split_method("snapkv") == ("snapkv", (None, None))
+    for bad in ("full@kv-q8_0", "criticalkv@q3_k", "h2o@kv-q8_0"):
+        with pytest.raises(ValueError):
+            split_method(bad)
+    specs = plan(["m"], ["needle"], ["streaming@kv-q8_0", "criticalkv@kv-q8_0"], [0.1], ["question", "agnostic"], 0, 500)
+    assert [(s.method, s.observation) for s in specs] == [
+        ("full", "-"), ("streaming@kv-q8_0", "-"), ("criticalkv@kv-q8_0", "question"), ("criticalkv@kv-q8_0", "agnostic")]
+
+
 def test_resume_skips_recorded_runs_and_a_torn_line(tmp_path):
     from kvlocal.eval.runner import done_keys, execute
 
@@ -121,6 +135,7 @@ def test_quick_eval_is_complete_sane_and_resumable(smollm2, tmp_path):
     (["--budgets", "abc"], "--budgets 'abc'"),
     (["--tasks", "nope"], "--tasks: unknown nope"),
     (["--methods", "h2o"], "--methods: unknown h2o"),
+    (["--methods", "criticalkv@q3_k"], "--methods: unknown criticalkv@q3_k; choose from"),
     (["--tokens", "50"], "--tokens 50"),
     (["no-such-model"], "neither a known model"),
 ])

@@ -233,7 +233,7 @@ class Plan:
                 out[il, h, m["slots"]] = True
         return out
 
-    def materialize(self, k, v, counts_in=None):
+    def materialize(self, k, v, counts_in=None, k_codec=None, v_codec=None):
         """The rows the cells get: ``(k_out, v_out, counts_out, bias_out)``.
 
         k, v: per layer ``[n, Hkv, d]`` source rows (cell-major, as the state backend reads them; float16
@@ -245,6 +245,11 @@ class Plan:
         ``log(count)`` bias, equivalent to AsymKV's summed values, see kvlocal/reference/cache.py) and
         count ``Σ c_i``; an empty slot gets zeros. ``counts_out`` equals :attr:`counts` when ``counts_in``
         are the counts the scorers saw (``LayerInputs.counts``).
+
+        Rows of a quantized cache: k and v hold each head's raw bytes (uint8 ``[n, Hkv, bytes]``) and
+        ``k_codec``/``v_codec`` (:class:`~kvlocal.runtime.kvquant.RowCodec`) decode them. Plain slots then
+        copy the bytes (no added error; the outputs stay uint8), merged ones are combined from the decoded
+        rows and quantized again; zero bytes are a zero row in every such format.
         """
         n_layer, hkv, width = self.keep.shape
         heads = np.arange(hkv)[:, None]
@@ -256,10 +261,10 @@ class Plan:
             keep = self.keep[il]
             filled = keep >= 0
             idx = np.maximum(keep, 0)
-            ko = kl[idx, heads].astype(np.float32)  # [Hkv, B, d]
-            vo = vl[idx, heads].astype(np.float32)
-            ko[~filled] = 0.0
-            vo[~filled] = 0.0
+            ko = kl[idx, heads] if k_codec else kl[idx, heads].astype(np.float32)  # [Hkv, B, d or bytes]
+            vo = vl[idx, heads] if v_codec else vl[idx, heads].astype(np.float32)
+            ko[~filled] = 0
+            vo[~filled] = 0
             c = np.where(filled, cin[heads, idx], 0)
             for h, m in enumerate(self.merges[il] if self.merges is not None and self.merges[il] is not None else ()):
                 if not len(m["slots"]):
@@ -269,9 +274,11 @@ class Plan:
                 w = np.where(present, m["weights"], 0.0).astype(np.float32)
                 cm = np.where(present, cin[h, cells], 0)
                 total = cm.sum(axis=1)
-                ko[h, m["slots"]] = np.einsum("mg,mgd->md", w, kl[cells, h].astype(np.float32))
-                vo[h, m["slots"]] = (np.einsum("mg,mgd->md", cm.astype(np.float32), vl[cells, h].astype(np.float32))
-                                     / total[:, None].astype(np.float32))
+                km = np.einsum("mg,mgd->md", w, _decoded(kl[cells, h], k_codec))
+                vm = (np.einsum("mg,mgd->md", cm.astype(np.float32), _decoded(vl[cells, h], v_codec))
+                      / total[:, None].astype(np.float32))
+                ko[h, m["slots"]] = k_codec.encode(km) if k_codec else km
+                vo[h, m["slots"]] = v_codec.encode(vm) if v_codec else vm
                 c[h, m["slots"]] = total
             counts_out[il] = c
             k_out.append(np.ascontiguousarray(ko.transpose(1, 0, 2)))  # [B, Hkv, d]
@@ -342,3 +349,8 @@ def _merges_json(head: dict) -> dict:
     for key in MERGE_KEYS[1:]:
         out[key] = [row[mask].tolist() for row, mask in zip(head[key], present)]
     return out
+
+
+def _decoded(rows: np.ndarray, codec) -> np.ndarray:
+    """Cache rows as float32 values: decoded by the codec of a quantized cache, else converted."""
+    return codec.decode(rows) if codec else rows.astype(np.float32)

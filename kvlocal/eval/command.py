@@ -9,11 +9,12 @@ import time
 from pathlib import Path
 
 from ..errors import UsageError
-from .runner import EVICTION, KV_BASELINES, OBSERVATIONS, execute, plan
+from .runner import CACHES, EVICTION, KV_BASELINES, OBSERVATIONS, execute, plan, split_method
 from .tasks import TASKS
 
 METHOD_CHOICES = (*EVICTION, *KV_BASELINES)
-DEFAULTS = {"models": ["smollm2-135m"], "methods": ["streaming", "snapkv", "criticalkv", *KV_BASELINES],
+DEFAULTS = {"models": ["smollm2-135m"], "methods": ["streaming", "snapkv", "criticalkv", *KV_BASELINES,
+                                                    "snapkv@kv-q8_0", "criticalkv@kv-q8_0"],
             "budgets": ["0.05", "0.1", "0.2", "0.4"], "tasks": list(TASKS), "tokens": 2048, "items": None}
 # a smoke test: a few minutes on 2 busy cores
 QUICK = {"models": ["smollm2-135m"], "methods": ["streaming", "criticalkv", "full-kv-q8_0"], "budgets": ["0.1", "0.2"],
@@ -24,8 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("models", nargs="*", metavar="MODEL", help="known model names or .gguf paths (default: smollm2-135m)")
     p.add_argument("--out", required=True, help="folder for results.jsonl, results.csv, summary.md and the plots; "
                                                 "rerunning with the same folder skips the runs already in it")
-    p.add_argument("--methods", nargs="+", help=f"of {', '.join(METHOD_CHOICES)} (the full F16 cache always runs); "
-                                                f"default: all")
+    p.add_argument("--methods", nargs="+", help=f"of {', '.join(METHOD_CHOICES)}; a method on a quantized cache is "
+                                                f"METHOD@CACHE, CACHE of {', '.join(CACHES)} (criticalkv@kv-q8_0); the "
+                                                f"full F16 cache always runs (default: streaming snapkv criticalkv, the "
+                                                f"full-* caches, snapkv@kv-q8_0 criticalkv@kv-q8_0)")
     p.add_argument("--budgets", nargs="+", help="ratios in (0, 1) (default 0.05 0.1 0.2 0.4)")
     p.add_argument("--tasks", nargs="+", help=f"of {', '.join(TASKS)} (default: all)")
     p.add_argument("--observations", nargs="+", default=list(OBSERVATIONS),
@@ -44,7 +47,7 @@ def _options(args) -> dict:
     """The effective options: explicit flags, else --quick's, else the defaults; validated."""
     base = QUICK if args.quick else DEFAULTS
     o = {k: getattr(args, k) if getattr(args, k) not in (None, []) else v for k, v in base.items()}
-    _check_choices("--methods", o["methods"], METHOD_CHOICES)
+    _check_methods(o["methods"])
     _check_choices("--tasks", o["tasks"], TASKS)
     _check_choices("--observations", args.observations, OBSERVATIONS)
     o["budgets"] = [_ratio(b) for b in o["budgets"]]
@@ -55,6 +58,15 @@ def _options(args) -> dict:
     if args.threads is not None and args.threads < 1:
         raise UsageError("-t/--threads must be at least 1")
     return o
+
+
+def _check_methods(given) -> None:
+    for m in given:
+        try:
+            split_method(m)
+        except ValueError:
+            raise UsageError(f"--methods: unknown {m}; choose from {', '.join(METHOD_CHOICES)}, or METHOD@CACHE with "
+                             f"CACHE of {', '.join(CACHES)} (e.g. criticalkv@kv-q8_0)") from None
 
 
 def _check_choices(flag: str, given, allowed) -> None:

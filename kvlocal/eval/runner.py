@@ -10,6 +10,7 @@ Every task also runs on the full F16 cache (``full``, the reference of compressi
 continuation metrics). The memory baselines compression must beat at equal KV bytes: ``full-kv-q8_0``
 and ``full-kv-q4_0`` are the full cache with K and V quantized (llama.cpp's ``-ctk``/``-ctv``; a
 quantized V cache runs with flash attention), ``full-q8_0`` and ``full-q4_0`` with K alone (``-ctk``).
+Compression on such a cache is ``METHOD@CACHE`` (``criticalkv@kv-q8_0``: eviction of q8_0 rows).
 """
 
 from __future__ import annotations
@@ -32,11 +33,24 @@ from ..session import ChatSession
 from ..verify import compare_logits
 from .tasks import CHAT_TASKS, Item, Prose, make_items, score
 
-# full caches with quantized K (and V): ggml types (8 = q8_0, 2 = q4_0; None = F16). llama.cpp stores a
+# quantized caches, K alone or K and V: ggml types (8 = q8_0, 2 = q4_0; None = F16). llama.cpp stores a
 # quantized V cache only with flash attention, which the Engine then turns on
-KV_BASELINES = {"full-q8_0": (8, None), "full-q4_0": (2, None), "full-kv-q8_0": (8, 8), "full-kv-q4_0": (2, 2)}
-# every compression method the engine has (eviction, head budgets, merging): the registry, less "full"
+CACHES = {"q8_0": (8, None), "q4_0": (2, None), "kv-q8_0": (8, 8), "kv-q4_0": (2, 2)}
+# the full cache quantized: the memory baselines
+KV_BASELINES = {f"full-{c}": types for c, types in CACHES.items()}
+# every compression method the engine has (eviction, head budgets, merging): the registry, less "full";
+# each also runs on a quantized cache as METHOD@CACHE (e.g. criticalkv@kv-q8_0)
 EVICTION = tuple(m for m in METHODS if m != "full")
+
+
+def split_method(name: str) -> tuple[str, tuple[int | None, int | None]]:
+    """A method as the eval names it → (the engine's method, (type_k, type_v)); ValueError if unknown."""
+    if name in KV_BASELINES:
+        return "full", KV_BASELINES[name]
+    method, _, cache = name.partition("@")
+    if not (method in EVICTION or method == "full" and not cache) or (cache and cache not in CACHES):
+        raise ValueError(name)
+    return method, CACHES[cache] if cache else (None, None)
 QUERY_FREE = ("streaming",)  # methods that never look at the probe: one observation mode, "-"
 OBSERVATIONS = ("question", "agnostic")
 N_FORCED = 64  # continuation: tokens of real text forced after the prompt
@@ -66,8 +80,9 @@ def plan(models, tasks, methods, budgets, observations, seed: int, n_tokens: int
             specs.append(Spec(model, task, "full", 1.0, "-", seed, n_tokens))
             specs += [Spec(model, task, m, 1.0, "-", seed, n_tokens) for m in methods if m in KV_BASELINES]
             for budget in budgets:
-                for m in (m for m in methods if m in EVICTION):
-                    for obs in ("-",) if m in QUERY_FREE else ("chat",) if task in CHAT_TASKS else observations:
+                for m in (m for m in methods if m not in KV_BASELINES and m != "full"):
+                    base = split_method(m)[0]
+                    for obs in ("-",) if base in QUERY_FREE else ("chat",) if task in CHAT_TASKS else observations:
                         specs.append(Spec(model, task, m, float(budget), obs, seed, n_tokens))
     return specs
 
@@ -121,8 +136,7 @@ class Runner:
         return self._items[k]
 
     def engine(self, spec: Spec, max_tokens: int) -> Engine:
-        method = "full" if spec.method in KV_BASELINES else spec.method
-        type_k, type_v = KV_BASELINES.get(spec.method, (None, None))
+        method, (type_k, type_v) = split_method(spec.method)
         return Engine(self.model, "1" if method == "full" else spec.budget, method, max_tokens=max_tokens,
                       n_threads=self.n_threads, type_k=type_k, type_v=type_v)
 

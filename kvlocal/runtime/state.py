@@ -27,8 +27,9 @@ the per-head attention bias) for a plain ``llama_kv_cache``, all integers little
 
 Cells are read back in blob order into free cells found from the cache head: after this module's
 :func:`write_seq` (which empties the sequence and resets the head) blob cell ``i`` is cache cell ``i``.
-Rows are raw ggml rows; only F16, F32 and BF16 caches are parsed (quantized rows of this llama.cpp are
-rotated by a Walsh–Hadamard matrix and are refused with a :class:`~kvlocal.errors.UsageError`).
+Rows are raw ggml rows: F16, F32 and BF16 caches are parsed into arrays of values; quantized ones (q8_0,
+q4_0, ...) into arrays of each head's raw bytes, which eviction copies untouched (:mod:`.kvquant` reads
+them: blocks, and the Walsh–Hadamard rotation llama.cpp stores them in).
 
 Caveats:
 
@@ -55,6 +56,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UsageError
+from .kvquant import codec
 from .library import has_attention_bias, llama_lib
 
 SEQ_STATE_MAGIC = 0xAF143CD8
@@ -76,8 +78,6 @@ _TYPE_NAMES = {
     11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 20: "IQ4_NL", 30: "BF16", 39: "MXFP4",
 }
 
-QUANTIZED_CACHE_MESSAGE = "compression with a quantized KV cache is not supported yet: use the default F16 cache"
-
 _META_PLAIN = np.dtype([("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
 _META_EXT = np.dtype([("pos", "<i4"), ("n_seq", "<u4"), ("ext", "<i4", (3,)), ("seq", "<i4")])
 
@@ -91,7 +91,8 @@ class SeqKV:
     """The cells of sequence 0, in cell (blob) order.
 
     ``k[il]`` and ``v[il]`` are ``[n, n_head_kv, head_dim]``: float16 for an F16 cache, float32 for F32
-    (and for BF16, widened exactly). Keys are after RoPE. Row ``k[il][j, h]`` is what KV head ``h`` of
+    (and for BF16, widened exactly); for a quantized cache ``[n, n_head_kv, head_bytes]`` uint8, each
+    head's raw blocks (:mod:`.kvquant` decodes them). Keys are after RoPE. Row ``k[il][j, h]`` is what KV head ``h`` of
     layer ``il`` attends to in cell ``j``; rows of different heads (and layers) in one cell may come
     from different tokens — a cell has only the one position ``pos[j]``, used for the causal mask and
     for "next position = max + 1". Arrays of a fresh read are views into one buffer (V is copied when
@@ -222,13 +223,22 @@ def _not_plain_cache() -> UsageError:
 def _check_cache_type(t: int, which: str) -> None:
     if t in _ARRAY_DTYPE:
         return
-    if 0 <= t < 64:  # a ggml type, just not one kvlocal can read: a quantized cache
-        raise UsageError(f"{QUANTIZED_CACHE_MESSAGE} (this context's {which} cache is {type_name(t)})")
+    if 0 <= t < 64:  # a ggml type: a quantized cache; UsageError for one kvlocal cannot rewrite
+        codec(t)
+        return
     raise _Malformed(f"{which} type {t} is not a ggml type")
 
 
+def _elem_bytes(t: int) -> int:
+    """Bytes per array element of a row of type t (1: a quantized row, kept as raw bytes)."""
+    return _ELEM_BYTES.get(t, 1)
+
+
 def _rows_to_array(raw: np.ndarray, t: int, n: int, n_head_kv: int) -> np.ndarray:
-    """Raw bytes of n rows of type t → [n, n_head_kv, head_dim] (a view for F16/F32)."""
+    """Raw bytes of n rows of type t → [n, n_head_kv, head_dim] (a view for F16/F32), or
+    [n, n_head_kv, head_bytes] uint8 for a quantized type."""
+    if t not in _ARRAY_DTYPE:
+        return raw.reshape(n, n_head_kv, -1)
     if t == GGML_TYPE_BF16:
         vals = raw.view("<u2").astype(np.uint32) << 16
         vals = vals.view(np.float32)
@@ -308,7 +318,7 @@ def _parse(buf: np.ndarray, n_layer: int, n_head_kv: int, swa: bool = False, has
         _check_cache_type(t, "K")
         k_types.add(t)
         row = r.scalar("<u8")
-        if row % (_ELEM_BYTES[t] * n_head_kv):
+        if row % (_elem_bytes(t) * n_head_kv):
             raise _Malformed(f"K row of {row} bytes in layer {il} does not split into {n_head_kv} heads")
         k_list.append(_rows_to_array(r.array(np.uint8, n * row), t, n, n_head_kv))
 
@@ -319,10 +329,12 @@ def _parse(buf: np.ndarray, n_layer: int, n_head_kv: int, swa: bool = False, has
         v_types.add(t)
         if not v_trans:
             row = r.scalar("<u8")
-            if row % (_ELEM_BYTES[t] * n_head_kv):
+            if row % (_elem_bytes(t) * n_head_kv):
                 raise _Malformed(f"V row of {row} bytes in layer {il} does not split into {n_head_kv} heads")
             v_list.append(_rows_to_array(r.array(np.uint8, n * row), t, n, n_head_kv))
         else:
+            if t not in _ARRAY_DTYPE:  # llama.cpp stores a quantized V cache only untransposed (flash attention)
+                raise _Malformed(f"a transposed {type_name(t)} V cache")
             el = r.scalar("<u4")
             if el != _ELEM_BYTES[t]:
                 raise _Malformed(f"V element of {el} bytes for {type_name(t)}")
@@ -351,8 +363,8 @@ def read_seq(ctx) -> SeqKV:
     """K, V and positions of every cell of sequence 0 of a :class:`~kvlocal.runtime.Context`.
 
     For an iSWA memory (Gemma 3) the arrays hold the full-attention layers (``arch.full_layers``, in that
-    order) and ``tail`` the sliding-window cache. Raises UsageError for a quantized KV cache or a memory
-    that is neither a KV cache nor an iSWA one.
+    order) and ``tail`` the sliding-window cache. Raises UsageError for a cache type kvlocal cannot rewrite
+    or a memory that is neither a KV cache nor an iSWA one.
     """
     arch = ctx.model.arch
     blob = get_blob(ctx)
@@ -392,18 +404,22 @@ def _validate(ctx, kv: SeqKV) -> np.ndarray:
     if len(kv.k) != n_layer or len(kv.v) != n_layer:
         raise ValueError(f"k and v need one array per layer ({n_layer}), got {len(kv.k)} and {len(kv.v)}")
     for name, arrays, t in (("k", kv.k, kv.k_type), ("v", kv.v, kv.v_type)):
-        if t not in _ARRAY_DTYPE:
-            if 0 <= t < 64:
-                raise UsageError(f"{QUANTIZED_CACHE_MESSAGE} ({name}_type is {type_name(t)})")
+        if not 0 <= t < 64:
             raise ValueError(f"{name}_type {t} is not a ggml type")
+        quantized = codec(t) is not None  # UsageError for a type kvlocal cannot rewrite
+        if quantized and name == "v" and kv.v_trans:
+            raise ValueError("a quantized V cache is never transposed (llama.cpp needs flash attention for it)")
         for il, a in enumerate(arrays):
             shape = np.shape(a)
             if len(shape) != 3 or shape[0] != n or shape[1] != n_head_kv:
                 raise ValueError(f"{name}[{il}] has shape {shape}, expected ({n}, {n_head_kv}, head_dim)")
             if shape != np.shape(arrays[0]):
                 raise ValueError(f"{name}[{il}] has shape {shape}, {name}[0] has {np.shape(arrays[0])}")
-            if not (np.issubdtype(np.asarray(a).dtype, np.floating)):
-                raise ValueError(f"{name}[{il}] must be floating point, got {np.asarray(a).dtype}")
+            dt = np.asarray(a).dtype
+            if quantized and dt != np.uint8:
+                raise ValueError(f"{name}[{il}] of a {type_name(t)} cache must hold raw rows (uint8), got {dt}")
+            if not quantized and not np.issubdtype(dt, np.floating):
+                raise ValueError(f"{name}[{il}] must be floating point, got {dt}")
     if kv.ext is not None and np.shape(kv.ext) != (n, 3):
         raise ValueError(f"ext has shape {np.shape(kv.ext)}, expected ({n}, 3)")
     if kv.bias is not None:
@@ -424,8 +440,10 @@ def _validate(ctx, kv: SeqKV) -> np.ndarray:
 
 
 def _put_rows(dst: np.ndarray, a: np.ndarray, t: int) -> None:
-    """Write [n, ...] values as rows of ggml type t into the uint8 view dst."""
-    if t == GGML_TYPE_BF16:
+    """Write [n, ...] values (raw bytes for a quantized type) as rows of ggml type t into the uint8 view dst."""
+    if t not in _ARRAY_DTYPE:
+        dst[:] = np.reshape(a, -1)
+    elif t == GGML_TYPE_BF16:
         u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).reshape(-1)
         # round to nearest even, as ggml_fp32_to_bf16 does (NaN kept quiet)
         r = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
@@ -449,8 +467,8 @@ def build_blob(kv: SeqKV, pos: np.ndarray | None = None, bias: bool = True) -> n
     size = 12 + 4
     if n:
         size += n * meta_dt.itemsize + 8
-        k_rows = [int(np.prod(np.shape(a)[1:])) * _ELEM_BYTES[kv.k_type] for a in kv.k]
-        v_rows = [int(np.prod(np.shape(a)[1:])) * _ELEM_BYTES[kv.v_type] for a in kv.v]
+        k_rows = [int(np.prod(np.shape(a)[1:])) * _elem_bytes(kv.k_type) for a in kv.k]
+        v_rows = [int(np.prod(np.shape(a)[1:])) * _elem_bytes(kv.v_type) for a in kv.v]
         size += sum(12 + n * r for r in k_rows)
         size += sum(12 + n * r for r in v_rows)  # i32 type + u64 row bytes, or i32 type + u32 elem + u32 n_embd
         size += (4 if bias else 0) + (0 if kv.bias is None else sum(4 * int(np.size(b)) for b in kv.bias))
@@ -483,7 +501,7 @@ def build_blob(kv: SeqKV, pos: np.ndarray | None = None, bias: bool = True) -> n
         put("<u8", row)
         _put_rows(buf[off : off + n * row], a, kv.k_type)
         off += n * row
-    el = _ELEM_BYTES[kv.v_type]
+    el = _elem_bytes(kv.v_type)
     for a, row in zip(kv.v, v_rows):
         put("<i4", kv.v_type)
         if not kv.v_trans:
