@@ -145,3 +145,27 @@ def test_eval_bad_input_is_one_line_exit_2(tmp_path, args, message):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvlocal: error:") and message in lines[0], r.stderr
     assert not (tmp_path / "e" / "results.jsonl").exists()
+
+
+def test_targets_are_judged_from_the_records():
+    from kvlocal.eval.report import targets, with_loss
+
+    def rec(method, budget, task, score, kl=None, mib=10.0, obs="question"):
+        r = {"model": "m", "task": task, "method": method, "budget": budget, "observation": obs, "seed": 1,
+             "n_tokens": 1000, "score": score, "kv_bytes_allocated": int(mib * 2**20)}
+        return r if kl is None else {**r, "mean_kl": kl}
+
+    records = [rec("full", 1.0, "needle", 1.0, obs="-"), rec("full", 1.0, "continuation", 1.0, 0.0, obs="-"),
+               rec("full-kv-q4_0", 1.0, "needle", 0.5, mib=8, obs="-"),
+               rec("full-kv-q4_0", 1.0, "continuation", 0.6, 0.9, mib=8, obs="-")]
+    for b, crit, snap in ((0.1, 0.8, 0.4), (0.2, 0.9, 0.6)):
+        records += [rec("criticalkv", b, "needle", crit), rec("criticalkv", b, "continuation", crit, 0.2),
+                    rec("snapkv", b, "needle", snap), rec("snapkv", b, "continuation", snap, 0.3),
+                    rec("criticalkv@kv-q8_0", b, "needle", 1.0 if b == 0.1 else 0.0, mib=5),
+                    rec("criticalkv@kv-q8_0", b, "continuation", 0.7, 0.4, mib=5)]
+    text = targets(with_loss(records))
+    # losses: criticalkv (0.2+0.2+0.1+0.1)/4 = 0.15, snapkv (0.6+0.6+0.4+0.4)/4 = 0.5
+    assert "≤ ½ SnapKV's (budgets 0.1, 0.2): 0.15 vs 0.50 — **met**" in text
+    assert "criticalkv@kv-q8_0 at 0.1 beats the q4_0 K+V full cache: KL 0.400 vs 0.900, retrieval 1.00 vs 0.50" in text
+    assert "criticalkv@kv-q8_0 at 0.2 beats" in text and "retrieval 0.00 vs 0.50, 5.0 vs 8.0 MiB — **missed**" in text
+    assert "lowest KL 0.400 (criticalkv@kv-q8_0 0.1) vs 0.900, best retrieval 1.00 vs 0.50 — **met**" in text

@@ -94,6 +94,84 @@ def summary(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else "**met**" if ok else "**missed**"
+
+
+def targets(records: list[dict]) -> str:
+    """Markdown: issue 11's targets, per model, measured from the records (never asserted): CriticalKV's
+    compression loss against SnapKV's (budgets ≤ 0.2, question observation; the paper: at most half),
+    eviction on a q8_0 cache against the q4_0 full cache, and the best compressed run at no more KV bytes
+    than the q4_0 full cache against it (KL and retrieval). "n/a" where the runs are not in the file."""
+    lines = ["**Targets** (measured from the runs above; retrieval = mean score of the tasks other than "
+             "continuation, KL = continuation's mean KL against the full F16 cache; *beats* = lower KL and "
+             "retrieval no worse):", ""]
+    for model in dict.fromkeys(r["model"] for r in records):
+        rs = [r for r in records if r["model"] == model]
+        by = defaultdict(list)
+        for r in rs:
+            by[(r["method"], r["budget"], r["observation"])].append(r)
+
+        def loss(method: str, budgets) -> float | None:
+            return _mean(r["loss"] for (m, b, o), runs in by.items() if m == method and b in budgets and o in ("question", "-")
+                         for r in runs)
+
+        def figures(runs) -> tuple[float | None, float | None, int]:
+            kl = _mean(r.get("mean_kl") for r in runs if r["task"] == "continuation")
+            ret = _mean(r["score"] for r in runs if r["task"] != "continuation")
+            return kl, ret, max(r["kv_bytes_allocated"] for r in runs)
+
+        small = sorted({b for (_, b, _) in by if b <= 0.2})
+        crit, snap = loss("criticalkv", small), loss("snapkv", small)
+        ok = None if crit is None or snap is None else crit <= snap / 2
+        lines.append(f"- {model} · CriticalKV's mean compression loss ≤ ½ SnapKV's (budgets {', '.join(f'{b:g}' for b in small)}): "
+                     f"{_fmt(crit)} vs {_fmt(snap)} — {_verdict(ok)}")
+        budgets = sorted({b for (_, b, _) in by if b < 1})
+        if any(m == "kvslimmer" for (m, _, _) in by) and any(m == "meanmerge" for (m, _, _) in by):
+            pairs = [(b, loss("kvslimmer", [b]), loss("meanmerge", [b])) for b in budgets]
+            pairs = [p for p in pairs if None not in p[1:]]
+            ok = all(k < m for _, k, m in pairs) if pairs else None
+            lines.append(f"- {model} · KVSlimmer's loss below meanmerge's at equal memory: "
+                         + ", ".join(f"{b:g}: {_fmt(k)} vs {_fmt(m)}" for b, k, m in pairs) + f" — {_verdict(ok)}")
+        if all(any(m == x for (m, _, _) in by) for x in ("criticalkv+kvslimmer", "criticalkv", "kvslimmer")):
+            trip = [(b, loss("criticalkv+kvslimmer", [b]), loss("criticalkv", [b]), loss("kvslimmer", [b])) for b in budgets]
+            trip = [t for t in trip if None not in t[1:]]
+            ok = any(c < min(p1, p2) for _, c, p1, p2 in trip) if trip else None
+            lines.append(f"- {model} · criticalkv+kvslimmer's loss below both parents' somewhere: "
+                         + ", ".join(f"{b:g}: {_fmt(c)} vs {_fmt(p1)} / {_fmt(p2)}" for b, c, p1, p2 in trip) + f" — {_verdict(ok)}")
+        q4 = by.get(("full-kv-q4_0", 1.0, "-"))
+        if not q4:
+            continue
+        kl4, ret4, bytes4 = figures(q4)
+        for method in sorted({m for (m, b, _) in by if m.endswith("@kv-q8_0")}):
+            runs = [r for (m, b, _), rr in by.items() if m == method and b <= 0.2 for r in rr]
+            for b in sorted({r["budget"] for r in runs}):
+                kl, ret, nbytes = figures([r for r in runs if r["budget"] == b])
+                ok = None if None in (kl, kl4, ret, ret4) else kl < kl4 and ret >= ret4
+                lines.append(f"- {model} · {method} at {b:g} beats the q4_0 K+V full cache: KL {_fmt3(kl)} vs {_fmt3(kl4)}, "
+                             f"retrieval {_fmt(ret)} vs {_fmt(ret4)}, {nbytes / 2**20:.1f} vs {bytes4 / 2**20:.1f} MiB — {_verdict(ok)}")
+        fits = [(key, figures(runs)) for key, runs in by.items() if key[1] < 1 and figures(runs)[2] <= bytes4]
+        if not fits:
+            lines.append(f"- {model} · no compressed run fits in the q4_0 K+V full cache's {bytes4 / 2**20:.1f} MiB — **missed**")
+            continue
+        with_kl = [f for f in fits if f[1][0] is not None]
+        (m, b, _), (kl, _, _) = min(with_kl, key=lambda f: f[1][0]) if with_kl else (("–", 0, ""), (None, None, 0))
+        best_ret = max((f[1][1] for f in fits if f[1][1] is not None), default=None)
+        ok = None if None in (kl, kl4, ret4, best_ret) else kl < kl4 and best_ret >= ret4
+        lines.append(f"- {model} · at ≤ the q4_0 K+V full cache's {bytes4 / 2**20:.1f} MiB, the best compressed runs beat it: "
+                     f"lowest KL {_fmt3(kl)} ({m} {b:g}) vs {_fmt3(kl4)}, best retrieval {_fmt(best_ret)} vs {_fmt(ret4)} — {_verdict(ok)}")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt3(x) -> str:
+    return "–" if x is None else f"{x:.3f}"
+
+
 def plots(records: list[dict], out: Path) -> list[Path]:
     """Per model: quality vs budget (one panel per task) and quality vs KV bytes with the full caches
     (F16, q8_0 and q4_0 K) as baselines. Returns the files written."""
@@ -123,7 +201,9 @@ def plots(records: list[dict], out: Path) -> list[Path]:
 
 COLORS = {"full": "black", "full-q8_0": "tab:orange", "full-q4_0": "tab:brown", "full-kv-q8_0": "gold",
           "full-kv-q4_0": "tab:pink", "streaming": "tab:green",
-          "snapkv": "tab:blue", "criticalkv": "tab:red"}
+          "snapkv": "tab:blue", "criticalkv": "tab:red", "snapkv@kv-q8_0": "tab:cyan", "criticalkv@kv-q8_0": "tab:purple",
+          "adakv": "tab:olive", "criticalkv+adakv": "tab:gray", "meanmerge": "lightgreen", "kvslimmer": "darkgreen",
+          "criticalkv+kvslimmer": "darkred"}
 DASHES = {"agnostic": "--"}  # question-aware and query-free methods: solid
 
 
@@ -154,7 +234,7 @@ def write_all(results: Path, out: Path) -> tuple[str, list[Path]]:
     (none, with a note in the summary, where matplotlib is missing)."""
     records = with_loss(load(results))
     write_csv(records, out / "results.csv")
-    text = summary(records)
+    text = summary(records) + "\n" + targets(records)
     try:
         pngs = plots(records, out)
     except ImportError:
