@@ -182,7 +182,7 @@ def cmd_run(args) -> int:
         plan = engine.prompt_plan
         Path(args.dump_plan).write_text(plan.to_json() if plan else "null")
     result = {"text": answer, "prompt_tokens": len(tokens), "generated_tokens": len(out), "method": args.method,
-              "budget": args.budget, "observation": "question" if args.question else "agnostic" if args.agnostic else "prompt-tail",
+              "budget": args.budget, "cache_type_k": args.cache_type_k, "cache_type_v": args.cache_type_v, "observation": "question" if args.question else "agnostic" if args.agnostic else "prompt-tail",
               **{k: v for k, v in engine.stats.as_dict().items() if k not in ("prompt_tokens", "generated_tokens")}}
     if args.json:
         print(json.dumps(result))

@@ -159,3 +159,12 @@ def test_seeded_run_repeats(tmp_path, smollm2):
     a = run(*hot, "--seed", "1")
     assert a == run(*hot, "--seed", "1")
     assert a != run(*hot, "--seed", "2")
+
+
+@pytest.mark.parametrize("command", ["chat", "run"])
+def test_an_unknown_cache_type_is_one_line(command, smollm2, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Hello")
+    extra = ["--prompt-file", str(prompt)] if command == "run" else []
+    assert_usage_error(run_cli(command, *extra, "-ctk", "q8_0", "-ctv", "iq4_nl"),
+                       "unknown KV cache type 'iq4_nl': use one of f16, f32, bf16, q8_0")
