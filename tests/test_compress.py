@@ -253,8 +253,9 @@ def test_plan_json_round_trip():
 
 
 def test_make_scorer():
-    assert set(METHODS) == {"full", "streaming", "snapkv", "criticalkv", "adakv", "criticalkv+adakv",
-                            "kvslimmer", "meanmerge", "criticalkv+kvslimmer"}  # (the new ones: test_compress_merge.py)
+    # (the newer ones are tested in test_compress_merge.py and test_defensivekv.py)
+    assert set(METHODS) == {"full", "streaming", "snapkv", "criticalkv", "defensivekv", "adakv", "criticalkv+adakv",
+                            "kvslimmer", "meanmerge", "criticalkv+kvslimmer"}
     crit = make_scorer("criticalkv", window_size=16, epsilon=1e-3)
     assert isinstance(crit, CriticalKV) and crit.epsilon == 1e-3 and crit.press == SnapKV(window_size=16)
     assert make_scorer("snapkv", pooling="avg", kernel_size=5) == SnapKV(pooling="avg", kernel_size=5)
@@ -276,3 +277,14 @@ def test_inputs_are_checked():
         SnapKV().score(LayerInputs(k=layer.k, v=layer.v, pos=layer.pos))
     with pytest.raises(ValueError, match="wo"):
         CriticalKV().keep(LayerInputs(k=layer.k, v=layer.v, pos=layer.pos, q=layer.q, q_pos=layer.q_pos), 10)
+
+
+def test_every_method_that_reads_w_o_is_marked():
+    """The engine reads W_O only for WO_METHODS: a method whose scorer needs it must be there."""
+    from kvlocal.compress import METHODS, WO_METHODS, make_scorer
+
+    def uses_wo(scorer) -> bool:
+        parts = [scorer] + [getattr(scorer, a) for a in ("press", "merger") if hasattr(scorer, a)]
+        return any(type(p).__name__ in ("CriticalKV", "DefensiveKV") or (p is not scorer and uses_wo(p)) for p in parts)
+
+    assert {m for m in METHODS if uses_wo(make_scorer(m))} == WO_METHODS

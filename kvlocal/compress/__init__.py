@@ -12,7 +12,7 @@ queries, ``W_O``) -> a :class:`Scorer` -> kept cells per KV head -> a :class:`Pl
     k, v, counts, bias = plan.materialize(k_cells, v_cells, counts_in)   # the rows to write (merges done)
 
 Methods (``METHODS``, the CLI's ``--method``): eviction (``full``, ``streaming``, ``snapkv``,
-``criticalkv``), head-adaptive budgets (``adakv``, ``criticalkv+adakv``: a head may take up to
+``criticalkv``, ``defensivekv``), head-adaptive budgets (``adakv``, ``criticalkv+adakv``: a head may take up to
 ``max_share`` times the budget, so plans have up to ``max_share * budget`` slots), and merging
 (``kvslimmer``, ``meanmerge``, ``criticalkv+kvslimmer``: slots that stand for several tokens, with
 counts and a ``log(count)`` bias).
@@ -28,6 +28,7 @@ import dataclasses
 from kvlocal.compress.adakv import AdaKV, head_budgets
 from kvlocal.compress.base import LayerInputs, Scorer, native_scoring, plan_layers, select, top_cells
 from kvlocal.compress.criticalkv import CriticalKV, projected_value_norms
+from kvlocal.compress.defensivekv import DefensiveKV
 from kvlocal.compress.evict_merge import EvictThenMerge
 from kvlocal.compress.full import Full
 from kvlocal.compress.kvslimmer import KVSlimmer
@@ -78,6 +79,7 @@ METHODS = {
     "streaming": StreamingLLM,
     "snapkv": SnapKV,
     "criticalkv": _criticalkv,
+    "defensivekv": DefensiveKV,
     "adakv": _adakv,
     "criticalkv+adakv": _criticalkv_adakv,
     "kvslimmer": KVSlimmer,
@@ -88,6 +90,9 @@ METHODS = {
 # methods whose plans need llama.cpp's per-head attention bias (patch 0006): merged slots (log(count))
 # or head budgets (-inf for a narrower head's surplus slots)
 BIAS_METHODS = frozenset({"adakv", "criticalkv+adakv", "kvslimmer", "meanmerge", "criticalkv+kvslimmer"})
+
+# methods that weigh entries by their value projected through W_O (the engine reads W_O from the GGUF for them)
+WO_METHODS = frozenset({"criticalkv", "defensivekv", "criticalkv+adakv", "criticalkv+kvslimmer"})
 
 PARTS = {  # the classes whose hyperparameters a composed method takes
     "criticalkv": (CriticalKV, SnapKV),
@@ -126,8 +131,10 @@ def make_scorer(name: str, **params) -> Scorer:
 __all__ = [
     "BIAS_METHODS",
     "METHODS",
+    "WO_METHODS",
     "AdaKV",
     "CriticalKV",
+    "DefensiveKV",
     "EvictThenMerge",
     "Full",
     "KVSlimmer",

@@ -203,7 +203,7 @@ COLORS = {"full": "black", "full-q8_0": "tab:orange", "full-q4_0": "tab:brown", 
           "full-kv-q4_0": "tab:pink", "streaming": "tab:green",
           "snapkv": "tab:blue", "criticalkv": "tab:red", "snapkv@kv-q8_0": "tab:cyan", "criticalkv@kv-q8_0": "tab:purple",
           "adakv": "tab:olive", "criticalkv+adakv": "tab:gray", "meanmerge": "lightgreen", "kvslimmer": "darkgreen",
-          "criticalkv+kvslimmer": "darkred"}
+          "criticalkv+kvslimmer": "darkred", "defensivekv": "tab:orange"}
 DASHES = {"agnostic": "--"}  # question-aware and query-free methods: solid
 
 

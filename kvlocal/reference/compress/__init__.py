@@ -5,6 +5,7 @@ Eviction scorers follow one contract (see :mod:`.base`) and compose by wrapping:
     SnapKV()                          # window-attention vote, pooled, GQA mean
     StreamingLLM()                    # sinks + most recent
     CriticalKV(SnapKV())              # two-stage: attention, then attention x ||v W_O||_1
+    DefensiveKV()                     # worst-case (max) window attention with a head prior, x ||v W_O||_1
     AdaKV(CriticalKV(SnapKV()))       # head-wise budgets (AdaKV outermost)
 
     plan = scorer.plan(layer_kv, Observation(q=q_win, q_pos=q_pos, wo=o_proj_weight), budget)
@@ -28,6 +29,7 @@ from kvlocal.reference.compress.base import (
     window_attention,
 )
 from kvlocal.reference.compress.criticalkv import CriticalKV, projected_value_norms, two_stage
+from kvlocal.reference.compress.defensivekv import DefensiveKV, defensive_aggregation, mass_first_stage
 from kvlocal.reference.compress.evict_merge import EvictThenMerge, evict_budget
 from kvlocal.reference.compress.kvslimmer import (
     KVSlimmer,
@@ -46,6 +48,7 @@ from kvlocal.reference.compress.streaming import StreamingLLM
 __all__ = [
     "AdaKV",
     "CriticalKV",
+    "DefensiveKV",
     "EvictThenMerge",
     "KVSlimmer",
     "KeepPlan",
@@ -59,10 +62,12 @@ __all__ = [
     "adakv_budgets",
     "apply_keep",
     "apply_merges",
+    "defensive_aggregation",
     "evict_budget",
     "gather_rows",
     "hessian_norms",
     "live_mask",
+    "mass_first_stage",
     "merge_weights",
     "pool1d",
     "projected_value_norms",
