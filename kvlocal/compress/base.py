@@ -215,6 +215,16 @@ def native_scoring() -> bool:
     return kernels.simd_level() != "generic"
 
 
+def check_window_params(window_size: int, kernel_size: int, pooling: str) -> None:
+    """ValueError for an observation window or pooling kernel an attention scorer cannot use."""
+    if window_size < 1:
+        raise ValueError(f"window_size must be >= 1, got {window_size}")
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"kernel_size must be odd and >= 1, got {kernel_size}")
+    if pooling not in kernels.POOL_KINDS:
+        raise ValueError(f"pooling must be one of {sorted(kernels.POOL_KINDS)}, got {pooling!r}")
+
+
 def window_votes(q, q_pos, k, pos, bias=None) -> np.ndarray:
     """:func:`kvlocal.kernels.window_votes`, or its numpy definition where that is faster (:func:`native_scoring`)."""
     return (kernels.window_votes if native_scoring() else numpy_ref.window_votes)(q, q_pos, k, pos, bias)

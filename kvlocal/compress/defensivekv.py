@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvlocal import kernels
-from kvlocal.compress.base import LayerInputs, Scorer, order_by_pos, window_votes
+from kvlocal.compress.base import LayerInputs, Scorer, check_window_params, order_by_pos, window_votes
 from kvlocal.compress.criticalkv import projected_value_norms
 
 
@@ -99,12 +99,7 @@ class DefensiveKV(Scorer):
     prior_correction: bool = True
 
     def __post_init__(self) -> None:
-        if self.window_size < 1:
-            raise ValueError(f"window_size must be >= 1, got {self.window_size}")
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be odd and >= 1, got {self.kernel_size}")
-        if self.pooling not in kernels.POOL_KINDS:
-            raise ValueError(f"pooling must be one of {sorted(kernels.POOL_KINDS)}, got {self.pooling!r}")
+        check_window_params(self.window_size, self.kernel_size, self.pooling)
         if not 0.0 <= self.first_stage_mass <= 1.0:
             raise ValueError(f"first_stage_mass must be in [0, 1], got {self.first_stage_mass}")
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvlocal import kernels
-from kvlocal.compress.base import LayerInputs, Scorer, order_by_pos, window_votes
+from kvlocal.compress.base import LayerInputs, Scorer, check_window_params, order_by_pos, window_votes
 
 
 @dataclass
@@ -42,12 +42,7 @@ class SnapKV(Scorer):
     pooling: str = "max"
 
     def __post_init__(self) -> None:
-        if self.window_size < 1:
-            raise ValueError(f"window_size must be >= 1, got {self.window_size}")
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be odd and >= 1, got {self.kernel_size}")
-        if self.pooling not in kernels.POOL_KINDS:
-            raise ValueError(f"pooling must be one of {sorted(kernels.POOL_KINDS)}, got {self.pooling!r}")
+        check_window_params(self.window_size, self.kernel_size, self.pooling)
 
     def score(self, layer: LayerInputs) -> np.ndarray:
         if layer.q is None:
