@@ -169,3 +169,13 @@ def test_targets_are_judged_from_the_records():
     assert "criticalkv@kv-q8_0 at 0.1 beats the q4_0 K+V full cache: KL 0.400 vs 0.900, retrieval 1.00 vs 0.50" in text
     assert "criticalkv@kv-q8_0 at 0.2 beats" in text and "retrieval 0.00 vs 0.50, 5.0 vs 8.0 MiB — **missed**" in text
     assert "lowest KL 0.400 (criticalkv@kv-q8_0 0.1) vs 0.900, best retrieval 1.00 vs 0.50 — **met**" in text
+
+
+def test_continuation_always_has_its_forced_tokens():
+    """The cut before the forced text never leaves it short (it once left it empty after a long GPL
+    sentence, at 4,096 tokens)."""
+    prose = _prose()
+    for n in (400, 1024, 2048, 4096):
+        for seed in range(6):
+            item = make_items("continuation", prose, n, seed)[0]
+            assert prose.count(item.forced) >= 64, (n, seed)

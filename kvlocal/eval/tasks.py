@@ -207,6 +207,10 @@ def continuation(prose: Prose, n_tokens: int, rng: random.Random, n_forced: int 
     cut = len(sents)
     while cut > 1 and sum(prose.count(s) for s in sents[cut - 1:]) < 1.5 * n_forced:
         cut -= 1
+    # the loop above can leave the forced part short (empty when the last sentence is long, as the GPL's are);
+    # move the cut back until it has n_forced tokens (items that had them are unchanged)
+    while cut > 1 and sum(prose.count(s) for s in sents[cut:]) < n_forced:
+        cut -= 1
     doc, rest = "".join(sents[:cut]), "".join(sents[cut:])
     return [Item("continuation", "next", doc, "", [], kind="continuation", n_generate=0, forced=rest)]
 
