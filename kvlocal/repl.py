@@ -161,7 +161,8 @@ class Repl:
             ("method", f"{s.method}, budget {s.budget}: {s.budget_cells:,} cells ({s.kv_cells_allocated:,} allocated)"),
             ("tokens", f"{s.tokens_seen:,} seen ({e.prompt_tokens:,} read, {e.generated_tokens:,} generated, "
                        f"{e.end_tokens:,} end-of-reply), {s.kv_tokens_kept:,} kept"),
-            ("KV memory", f"{s.kv_bytes / mib:,.1f} MiB; a full cache for {s.tokens_seen:,} tokens: {s.kv_bytes_full / mib:,.1f} MiB"),
+            ("KV memory", f"{s.kv_bytes / mib:,.1f} MiB (K {self.chat.settings.cache_type_k}, V {self.chat.settings.cache_type_v}); "
+                          f"a full cache for {s.tokens_seen:,} tokens: {s.kv_bytes_full / mib:,.1f} MiB"),
             ("compression", f"{s.compression_events} events, {e.compression_seconds:.2f} s"
                             + "".join(f", {k} {v:.2f} s" for k, v in e.compression_breakdown.items())),
             ("speed", f"last turn: prompt {s.prompt_tokens_per_s:,.1f} t/s, gen {s.gen_tokens_per_s:,.1f} t/s; "
