@@ -54,7 +54,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .compress import BIAS_METHODS, WO_METHODS, LayerInputs, Plan, make_scorer, plan_layers
+from .compress import BIAS_METHODS, LayerInputs, Plan, make_scorer, plan_layers
 from .errors import UsageError
 from .gguf_file import dequantize_tensor, read_gguf
 from .runtime import Context, Model
@@ -284,7 +284,7 @@ class Engine:
         self.last_probe: list[int] = []  # the tokens whose queries scored the latest event
         self._probe: list[int] | None = None  # the probe of the last prefill/append
         self._reply: list[int] = []  # tokens generated since the last prefill/append
-        self._wo = output_projections(str(m.path)) if method in WO_METHODS else None
+        self._wo = output_projections(str(m.path)) if self.scorer.needs_wo else None
         # endless (a chat): past max_tokens the session goes on inside the same budget, and its positions
         # are moved back under the trained context whenever they would pass it (:meth:`_reposition`)
         self.endless = endless

@@ -91,9 +91,6 @@ METHODS = {
 # or head budgets (-inf for a narrower head's surplus slots)
 BIAS_METHODS = frozenset({"adakv", "criticalkv+adakv", "kvslimmer", "meanmerge", "criticalkv+kvslimmer"})
 
-# methods that weigh entries by their value projected through W_O (the engine reads W_O from the GGUF for them)
-WO_METHODS = frozenset({"criticalkv", "defensivekv", "criticalkv+adakv", "criticalkv+kvslimmer"})
-
 PARTS = {  # the classes whose hyperparameters a composed method takes
     "criticalkv": (CriticalKV, SnapKV),
     "adakv": (AdaKV, SnapKV),
@@ -127,6 +124,10 @@ def make_scorer(name: str, **params) -> Scorer:
     except (TypeError, ValueError) as e:
         raise UsageError(f"method {name!r}: {e}") from None
 
+
+
+# methods that weigh entries by their value projected through W_O (Scorer.needs_wo)
+WO_METHODS = frozenset(m for m in METHODS if make_scorer(m).needs_wo)
 
 __all__ = [
     "BIAS_METHODS",

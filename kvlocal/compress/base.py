@@ -292,6 +292,12 @@ def select(scores: np.ndarray, budget, pos: np.ndarray, live: np.ndarray | None 
 class Scorer:
     """Base class of the eviction scorers; the contract is in the module docstring."""
 
+    @property
+    def needs_wo(self) -> bool:
+        """Whether the scorer weighs entries by their value through ``W_O`` (``LayerInputs.wo``, which the
+        engine then reads from the GGUF): scorers that do say so; a wrapper needs it when what it wraps does."""
+        return any(getattr(getattr(self, part, None), "needs_wo", False) for part in ("press", "merger"))
+
     def score(self, layer: LayerInputs) -> np.ndarray:
         raise NotImplementedError
 

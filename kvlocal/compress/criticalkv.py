@@ -51,6 +51,7 @@ class CriticalKV(Scorer):
     """
 
     press: Scorer = field(default_factory=SnapKV)
+    needs_wo = True  # not a field: the value-norm stage reads W_O
     epsilon: float = 1e-4
     first_stage_ratio: float = 0.5
 

@@ -9,32 +9,7 @@ import numpy as np
 from kvlocal import kernels
 from kvlocal.compress.base import LayerInputs, Scorer, check_window_params, order_by_pos, window_votes
 from kvlocal.compress.criticalkv import projected_value_norms
-
-
-def window_attention(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, pos: np.ndarray,
-                     bias: np.ndarray | None = None) -> np.ndarray:
-    """Softmax attention of every window query over every cell, per query head: ``[Hq, w, n]`` float32.
-
-    What :func:`kvlocal.kernels.window_votes` averages over the window, kept per query (DefensiveKV
-    takes a maximum over them). Logits ``q·k/sqrt(d) + bias`` in float32, a query at ``p`` sees the
-    cells with ``0 <= pos <= p`` (a query that sees none gets zeros), query head ``h`` reads KV head
-    ``h // G``. ``pos``: [n] or [Hkv, n]; result in cell order.
-    """
-    hq, w, d = q.shape
-    hkv, n, _ = k.shape
-    group = hq // hkv
-    pos = np.broadcast_to(np.asarray(pos), (hkv, n))
-    logits = np.matmul(q.reshape(hkv, group * w, d).astype(np.float32),
-                       k.astype(np.float32).transpose(0, 2, 1)).reshape(hkv, group, w, n)
-    logits /= np.float32(np.sqrt(d))
-    if bias is not None:
-        logits += np.broadcast_to(bias, (hkv, n))[:, None, None, :].astype(np.float32)
-    visible = (pos[:, None, None, :] >= 0) & (pos[:, None, None, :] <= np.asarray(q_pos)[None, None, :, None])
-    logits = np.where(visible, logits, np.float32(-np.inf))
-    top = logits.max(axis=-1, keepdims=True)
-    e = np.exp(logits - np.where(np.isfinite(top), top, np.float32(0)))
-    total = e.sum(axis=-1, keepdims=True)
-    return np.divide(e, total, out=np.zeros_like(e), where=total > 0).reshape(hq, w, n)
+from kvlocal.compress.numpy_ref import window_attention
 
 
 @dataclass
@@ -97,6 +72,7 @@ class DefensiveKV(Scorer):
     pooling: str = "avg"
     first_stage_mass: float = 0.9
     prior_correction: bool = True
+    needs_wo = True  # not a field: stage 2 reads W_O
 
     def __post_init__(self) -> None:
         check_window_params(self.window_size, self.kernel_size, self.pooling)

@@ -12,11 +12,14 @@ from __future__ import annotations
 import numpy as np
 
 
-def window_votes(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, pos: np.ndarray,
-                 bias: np.ndarray | None = None) -> np.ndarray:
-    """Mean over the window of the softmax attention of each query head over the keys: ``[Hq, n]``.
+def window_attention(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, pos: np.ndarray,
+                     bias: np.ndarray | None = None) -> np.ndarray:
+    """Softmax attention of every window query over every cell, per query head: ``[Hq, w, n]`` float32.
 
-    Same contract as :func:`kvlocal.kernels.window_votes`. Materialises ``[Hq, w, n]``.
+    Logits ``q·k/sqrt(d) + bias`` in float32, a query at ``p`` sees the cells with ``0 <= pos <= p`` (a
+    query that sees none gets zeros), query head ``h`` reads KV head ``h // G``. ``pos``: [n] or
+    [Hkv, n]; result in cell order. :func:`window_votes` is its mean over the window; DefensiveKV takes
+    a maximum.
     """
     hq, w, d = q.shape
     hkv, n, _ = k.shape
@@ -32,8 +35,16 @@ def window_votes(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, pos: np.ndarra
     top = logits.max(axis=-1, keepdims=True)
     e = np.exp(logits - np.where(np.isfinite(top), top, 0))  # a query that sees nothing: all zeros
     total = e.sum(axis=-1, keepdims=True)
-    p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
-    return p.mean(axis=2).reshape(hq, n).astype(np.float32)
+    return np.divide(e, total, out=np.zeros_like(e), where=total > 0).reshape(hq, w, n)
+
+
+def window_votes(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, pos: np.ndarray,
+                 bias: np.ndarray | None = None) -> np.ndarray:
+    """Mean over the window of the softmax attention of each query head over the keys: ``[Hq, n]``.
+
+    Same contract as :func:`kvlocal.kernels.window_votes`. Materialises ``[Hq, w, n]``.
+    """
+    return window_attention(q, q_pos, k, pos, bias).mean(axis=1).astype(np.float32)
 
 
 def vnorm_l1(v: np.ndarray, wo: np.ndarray, first_head: int, n_group: int,

@@ -155,7 +155,8 @@ def targets(records: list[dict]) -> str:
                 ok = None if None in (kl, kl4, ret, ret4) else kl < kl4 and ret >= ret4
                 lines.append(f"- {model} · {method} at {b:g} beats the q4_0 K+V full cache: KL {_fmt3(kl)} vs {_fmt3(kl4)}, "
                              f"retrieval {_fmt(ret)} vs {_fmt(ret4)}, {nbytes / 2**20:.1f} vs {bytes4 / 2**20:.1f} MiB — {_verdict(ok)}")
-        fits = [(key, figures(runs)) for key, runs in by.items() if key[1] < 1 and figures(runs)[2] <= bytes4]
+        compressed = [(key, figures(runs)) for key, runs in by.items() if key[1] < 1]
+        fits = [(key, f) for key, f in compressed if f[2] <= bytes4]
         if not fits:
             lines.append(f"- {model} · no compressed run fits in the q4_0 K+V full cache's {bytes4 / 2**20:.1f} MiB — **missed**")
             continue

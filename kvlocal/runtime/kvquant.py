@@ -57,10 +57,6 @@ def bytes_per_value(t: int | None) -> float:
     return nbytes / values
 
 
-def is_quantized(t: int | None) -> bool:
-    return t is not None and t not in FLOAT_TYPES
-
-
 @functools.lru_cache(maxsize=None)
 def hadamard(n: int) -> np.ndarray:
     """The orthonormal ``n×n`` Walsh–Hadamard matrix (Sylvester's construction, as ggml_gen_hadamard)."""
