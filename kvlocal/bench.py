@@ -3,7 +3,10 @@
 One run, one runtime, the same prompt: every figure is a ratio of two measurements taken here.
   - KV bytes allocated for a long prompt at the budget vs the full cache   (target <= 0.15x at 0.1)
   - decode tokens/s at that context, budget vs full                        (target >= 2.5x)
-  - compression seconds / prefill seconds on a shorter prompt              (target <= 5%)
+  - compression seconds / prefill seconds of that prompt, per backend      (target <= 5%)
+  - K/V bytes compression copied to the host, per backend                  (0 on native)
+The compressed run is repeated on each KV backend (``--backends``, default native and state where the
+runtime has both): the same prompt, method and budget.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ def long_text(model: Model, n_tokens: int) -> list[int]:
     return tokens[:n_tokens]
 
 
-def measure(model: Model, tokens: list[int], method: str, budget: str, n_decode: int, threads: int | None) -> dict:
-    eng = Engine(model, Budget.parse(budget), method, max_tokens=len(tokens) + n_decode + 1, n_threads=threads)
+def measure(model: Model, tokens: list[int], method: str, budget: str, n_decode: int, threads: int | None,
+            backend: str = "auto") -> dict:
+    eng = Engine(model, Budget.parse(budget), method, max_tokens=len(tokens) + n_decode + 1, n_threads=threads,
+                 backend=backend)
     eng.prefill(tokens, probe=tokens[-32:])
     # greedy decode without stopping at end-of-text: a fixed number of steps at this context
     t0 = time.perf_counter()
@@ -38,42 +43,60 @@ def measure(model: Model, tokens: list[int], method: str, budget: str, n_decode:
     return s
 
 
+def default_backends(method: str) -> list[str]:
+    """native and state where the runtime and the method have both, else the one there is."""
+    from .engine import resolve_backend
+
+    return ["native", "state"] if resolve_backend("auto", method) == "native" else ["state"]
+
+
 def run(args) -> int:
     model = Model(args.model_path, n_gpu_layers=args.n_gpu_layers)
-    rows = {}
+    backends = args.backends or default_backends(args.method)
     long = long_text(model, args.long)
-    short = long_text(model, args.short)
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    log(f"[1/3] full cache, {len(long)}-token prompt + {args.decode} decoded")
-    rows["full_long"] = measure(model, long, "full", "1", args.decode, args.threads)
-    log(f"[2/3] {args.method} at budget {args.budget}, same prompt")
-    rows["budget_long"] = measure(model, long, args.method, args.budget, args.decode, args.threads)
-    log(f"[3/3] {args.method} at budget {args.budget}, {len(short)}-token prompt")
-    rows["budget_short"] = measure(model, short, args.method, args.budget, 1, args.threads)
-    f, b, s = rows["full_long"], rows["budget_long"], rows["budget_short"]
+    n = 1 + len(backends)
+    log(f"[1/{n}] full cache, {len(long)}-token prompt + {args.decode} decoded")
+    full = measure(model, long, "full", "1", args.decode, args.threads)
+    runs = {}
+    for i, backend in enumerate(backends, 2):
+        log(f"[{i}/{n}] {args.method} at budget {args.budget} on the {backend} backend, same prompt")
+        runs[backend] = measure(model, long, args.method, args.budget, args.decode, args.threads, backend)
     result = {
-        "kv_bytes_ratio": b["kv_bytes_allocated"] / f["kv_bytes_allocated"],
-        "decode_speedup": b["decode_tok_s"] / f["decode_tok_s"],
-        "compression_over_prefill": s["compression_seconds"] / s["prefill_seconds"],
-        "runs": rows,
+        "full": full,
+        "backends": {b: {"kv_bytes_ratio": r["kv_bytes_allocated"] / full["kv_bytes_allocated"],
+                         "decode_speedup": r["decode_tok_s"] / full["decode_tok_s"],
+                         "compression_over_prefill": r["compression_seconds"] / r["prefill_seconds"],
+                         "host_kv_bytes": r["host_kv_bytes"], "run": r} for b, r in runs.items()},
     }
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
-    print(f"model {model.path.name} · method {args.method} · budget {args.budget} · threads {args.threads or 'default'}")
-    print(f"{'':34}{'full':>14}{'budget ' + args.budget:>16}{'ratio':>10}  target")
-    print(f"{'KV bytes allocated (' + str(len(long)) + ' tok)':34}{f['kv_bytes_allocated'] / 2**20:11.1f} MiB{b['kv_bytes_allocated'] / 2**20:13.1f} MiB"
-          f"{result['kv_bytes_ratio']:9.3f}x  <= 0.15x")
-    print(f"{'n_ctx (cells)':34}{f['n_ctx']:14,}{b['n_ctx']:16,}")
-    print(f"{'decode tokens/s':34}{f['decode_tok_s']:14.1f}{b['decode_tok_s']:16.1f}{result['decode_speedup']:9.2f}x  >= 2.5x")
-    print(f"{'prefill seconds (' + str(len(short)) + ' tok)':34}{'':14}{s['prefill_seconds']:16.2f}")
-    print(f"{'compression seconds (' + str(s['compression_events']) + ' events)':34}{'':14}{s['compression_seconds']:16.2f}"
-          f"{100 * result['compression_over_prefill']:8.1f}%   <= 5%")
-    steps = ", ".join(f"{k} {v:.2f} s" for k, v in s["compression_breakdown"].items())
-    print(f"{'  by step':34}{'':14}  {steps}")
+    mib = 2**20
+    print(f"model {model.path.name} · method {args.method} · budget {args.budget} · {len(long):,}-token prompt · "
+          f"threads {args.threads or 'default'}")
+    print(f"{'':34}{'full':>12}" + "".join(f"{b:>14}" for b in backends) + "  target")
+    res = result["backends"]
+
+    def row(label, full_text, cells, target=""):
+        print(f"{label:34}{full_text:>12}" + "".join(f"{c:>14}" for c in cells) + (f"  {target}" if target else ""))
+
+    row("KV bytes allocated", f"{full['kv_bytes_allocated'] / mib:.1f} MiB",
+        [f"{runs[b]['kv_bytes_allocated'] / mib:.1f} MiB" for b in backends])
+    row("  ratio to full", "", [f"{res[b]['kv_bytes_ratio']:.3f}x" for b in backends], "<= 0.15x")
+    row("n_ctx (cells)", f"{full['n_ctx']:,}", [f"{runs[b]['n_ctx']:,}" for b in backends])
+    row("decode tokens/s", f"{full['decode_tok_s']:.1f}", [f"{runs[b]['decode_tok_s']:.1f}" for b in backends])
+    row("  ratio to full", "", [f"{res[b]['decode_speedup']:.2f}x" for b in backends], ">= 2.5x")
+    row("prefill seconds", f"{full['prefill_seconds']:.2f}", [f"{runs[b]['prefill_seconds']:.2f}" for b in backends])
+    row("compression seconds", "", [f"{runs[b]['compression_seconds']:.2f}" for b in backends])
+    row("  share of prefill", "", [f"{100 * res[b]['compression_over_prefill']:.1f}%" for b in backends], "<= 5%")
+    row("compression events", "", [f"{runs[b]['compression_events']}" for b in backends])
+    row("K/V copied to the host", "", [f"{runs[b]['host_kv_bytes'] / mib:,.1f} MiB" for b in backends], "0 on native")
+    for step in ("observe", "read", "score", "apply"):
+        row(f"  {step} seconds", "", [f"{runs[b]['compression_breakdown'].get(step, 0.0):.2f}" for b in backends])
     return 0
 
 
@@ -82,8 +105,9 @@ def add_arguments(p) -> None:
     p.add_argument("--budget", default="0.1")
     p.add_argument("--method", default="criticalkv")
     p.add_argument("--long", type=int, default=8192 - 64 - 1, help="tokens of the long prompt (default 8127: 8K with decode)")
-    p.add_argument("--short", type=int, default=4096, help="tokens of the compression-overhead prompt (default 4096)")
     p.add_argument("--decode", type=int, default=64, help="tokens to decode for the speed figure (default 64)")
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    p.add_argument("--backends", nargs="+", choices=("native", "state"), default=None,
+                   help="the KV backends to run the compressed prompt on (default: native and state where both run)")
     p.add_argument("--json", action="store_true")

@@ -58,6 +58,7 @@ class ChatSettings:
     max_reply: int = 512  # most tokens of one reply
     cache_type_k: str = "f16"  # llama.cpp's -ctk / -ctv names
     cache_type_v: str = "f16"
+    backend: str = "auto"  # where compression runs: native, state or auto (the engine's backend=)
 
 
 @dataclass(frozen=True)
@@ -96,11 +97,12 @@ class Chat:
         n_threads: int | None = None,
         cache_type_k: str = "f16",
         cache_type_v: str = "f16",
+        backend: str = "auto",
     ):
         for t in (cache_type_k, cache_type_v):
             cache_type(t)  # UsageError naming the choices, before a model is loaded
         settings = ChatSettings(str(Budget.parse(budget)), method, ctx_size, chunk, window, flash_attn, system, max_reply,
-                                cache_type_k.lower(), cache_type_v.lower())
+                                cache_type_k.lower(), cache_type_v.lower(), backend)
         if isinstance(model, Model):
             self.model, self._own_model = model, False
         else:
@@ -278,7 +280,7 @@ class Chat:
         chat = cls(model if isinstance(model, Model) else model_path, s.budget, s.method, system=s.system, sampler=sampler,
                    ctx_size=s.ctx_size, chunk=s.chunk, window=s.window, max_reply=s.max_reply,
                    n_gpu_layers=n_gpu_layers, flash_attn=s.flash_attn, n_threads=n_threads,
-                   cache_type_k=s.cache_type_k, cache_type_v=s.cache_type_v)
+                   cache_type_k=s.cache_type_k, cache_type_v=s.cache_type_v, backend=s.backend)
         try:
             a, e = f.arrays, h["engine"]
             chat.engine.restore(EngineState(
@@ -318,7 +320,7 @@ class Chat:
         cap = s.ctx_size or self.model.n_ctx_train
         return Engine(self.model, s.budget, s.method, max_tokens=cap, chunk=s.chunk, window=s.window,
                       flash_attn=s.flash_attn, n_threads=self._threads, endless=s.method != "full",
-                      type_k=cache_type(s.cache_type_k), type_v=cache_type(s.cache_type_v))
+                      type_k=cache_type(s.cache_type_k), type_v=cache_type(s.cache_type_v), backend=s.backend)
 
     def _checkpoint(self) -> tuple[EngineState, Transcript]:
         return self.engine.snapshot(), self.session.t.copy()

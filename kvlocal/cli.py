@@ -49,6 +49,12 @@ def cmd_doctor(args) -> int:
                  ("backend", ("GPU offload available; " if info.gpu_offload else "CPU only; ") + info.system_info)]
         if not info.patched:
             rows.append(("", "stock llama.cpp: eviction works; per-cell features need `python ggml_patches/build.py`"))
+        from .compress import NATIVE_METHODS
+        from .runtime.library import has_native_compression
+
+        rows.append(("compression", f"native backend (on the cache's device): {', '.join(sorted(NATIVE_METHODS - {'full'}))}; "
+                     "state backend: every method" if has_native_compression() else
+                     "state backend only (K/V read to the host): this runtime lacks patches 0010-0011"))
     except UsageError as e:
         rows.append(("runtime", f"NOT AVAILABLE: {e}"))
         problems += 1
@@ -97,6 +103,10 @@ def _budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=int, default=128,
                    help="least prefill chunk in tokens: n_ctx = budget + chunk + window, padded by llama.cpp (default 128)")
     p.add_argument("--window", type=int, default=32, help="recent tokens always kept; probe length (default 32)")
+    p.add_argument("--backend", default="auto", choices=("auto", "native", "state"),
+                   help="where compression runs: native = on the device that holds the cache (patched llama.cpp; "
+                        "eviction methods, unquantized caches), state = K/V read to the host (every method); "
+                        "default auto: native where it can run")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -134,7 +144,7 @@ def _engine(args, model, max_tokens: int):
         print(f"kvlocal: warning: {max_tokens} tokens exceed the {model.n_ctx_train} the model was trained on; positions extrapolate",
               file=sys.stderr)
     return Engine(model, budget, args.method, max_tokens=max_tokens, chunk=args.chunk, window=args.window,
-                  flash_attn=args.flash_attn, n_threads=args.threads, **cache_types(args))
+                  flash_attn=args.flash_attn, n_threads=args.threads, backend=args.backend, **cache_types(args))
 
 
 def cache_types(args) -> dict:
@@ -189,7 +199,7 @@ def cmd_run(args) -> int:
     else:
         print(answer)
         s = engine.stats
-        print(f"[{args.method} budget {args.budget}: {s.budget_cells} of {len(tokens)} prompt tokens kept · "
+        print(f"[{args.method} budget {args.budget} ({s.backend}): {s.budget_cells} of {len(tokens)} prompt tokens kept · "
               f"n_ctx {s.n_ctx} · KV {s.kv_bytes_allocated / 2**20:.1f} MiB · kvlocal's own "
               f"{(s.wo_cache_bytes + s.host_bytes_peak) / 2**20:.1f} MiB · {s.compression_events} compressions "
               f"{s.compression_seconds:.2f} s · prefill {s.prefill_seconds:.2f} s · decode {s.decode_seconds:.2f} s]", file=sys.stderr)

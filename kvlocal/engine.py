@@ -5,10 +5,18 @@ length, so KV memory is O(budget). A long prompt is decoded in chunks; after eac
 decoding whenever the live cells pass ``budget + slack``, one *compression event* runs:
 
     observe  decode the probe (the question, or a generic prompt) with query capture, then remove it
-    read     K/V rows and positions of every cell (state backend)
-    score    per layer and KV head (kvlocal.compress scorers, numpy + C kernels)
+    read     K/V rows and positions of every cell (state backend) / the cells' positions (native)
+    score    per layer and KV head (kvlocal.compress scorers, numpy + C kernels; on the native backend
+             fed by the device's window attention and value norms, llama_kv_score)
     plan     per layer and KV head, which source rows fill which cell (kvlocal.compress.Plan)
-    apply    write the compacted cells back
+    apply    write the compacted cells back (state) / move the kept rows on the device (llama_kv_compact)
+
+Two KV backends (``backend=``, the CLI's ``--backend``): ``native`` keeps K/V on the device that holds
+them — the patched llama.cpp scores the cells and moves the kept rows by ggml graphs, and only
+queries, scores, positions and indices cross to the host; ``state`` reads the sequence state to the
+host, scores it there and loads it back (any llama.cpp build; every method, merging included; the
+oracle the native backend is tested against). ``auto`` picks native where it can run
+(:data:`kvlocal.compress.BACKENDS`, an unquantized cache, the patched runtime).
 
 Different KV heads may keep different tokens in the same cell: attention is computed per head, so a
 cell is just a slot. A cell has one position (for the causal mask and for "the next token goes at
@@ -54,13 +62,13 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .compress import BIAS_METHODS, LayerInputs, Plan, make_scorer, plan_layers
+from .compress import BACKENDS, BIAS_METHODS, LayerInputs, Plan, make_scorer, observation_window, plan_layers
 from .errors import UsageError
 from .gguf_file import dequantize_tensor, read_gguf
 from .runtime import Context, Model
 from .runtime.capture import QueryCapture
 from .runtime.kvquant import CacheBasis, bytes_per_value
-from .runtime.library import has_attention_bias
+from .runtime.library import has_attention_bias, has_native_compression
 from .runtime.llama import N_UBATCH, kv_cache_bytes
 from .runtime.state import CacheLost, SeqKV, clear_seq, get_blob, read_seq, set_blob, write_seq
 from .sampling import Sampler
@@ -117,6 +125,8 @@ class EngineStats:
     kv_bytes_full: int = 0  # what llama.cpp's full cache for max_tokens would allocate (formula, both caches)
     wo_cache_bytes: int = 0  # kvlocal's own memory: dequantized W_O kept for CriticalKV (bounded)
     host_bytes_peak: int = 0  # kvlocal's own memory: the largest host copy of the cache one event made
+    host_kv_bytes: int = 0  # K/V bytes compression events copied between llama.cpp and the host (0 on native)
+    backend: str = ""  # the KV backend compression runs on: "native" or "state"
     budget_cells: int = 0
     kv_cells_live: int = 0
     kv_cells_live_peak: int = 0
@@ -224,11 +234,13 @@ class Engine:
         type_k: int | None = None,
         type_v: int | None = None,
         endless: bool = False,
+        backend: str = "auto",
     ):
         budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
         self.cfg = EngineConfig(budget, method, chunk, window, n_sink, max_tokens)
         self.cfg.validate()
         self.scorer = make_scorer(method)
+        self.backend = resolve_backend(backend, method, type_k, type_v)
         if method in BIAS_METHODS and not has_attention_bias():
             raise UsageError(f"--method {method} needs kvlocal's patched llama.cpp (a per-head attention bias, "
                              f"patch 0006); this runtime is stock: run `python ggml_patches/build.py`")
@@ -261,7 +273,7 @@ class Engine:
                            flash_attn=flash_attn or type_v not in (None, 1))
         measured = self.ctx.kv_bytes()
         allocated = measured or kv_cache_bytes(m, self.ctx.n_ctx, self.ctx.n_ubatch)
-        self.stats = EngineStats(n_ctx=self.ctx.n_ctx, budget_cells=self.budget_cells,
+        self.stats = EngineStats(n_ctx=self.ctx.n_ctx, budget_cells=self.budget_cells, backend=self.backend,
                                  kv_bytes_allocated=sum(allocated), kv_bytes_swa=allocated[1],
                                  kv_bytes_measured=measured is not None,
                                  # stock llama.cpp allocates a full cache (of the same types) for every token
@@ -591,6 +603,10 @@ class Engine:
         budget = self.budget_cells
         q, q_pos = observed if observed is not None else self._observe(probe)
         t1 = clock()
+        if self.backend == "native":
+            t2, t3 = self._compress_native(q, q_pos, clock)
+            self._count_event(t0, t1, t2, t3, clock())
+            return
         kv = read_seq(self.ctx)
         true = self._true_positions(kv.pos)  # -1 for the empty rows of a head
         # projected value norms depend only on a row and W_O: carry them over for rows that stay
@@ -621,14 +637,63 @@ class Engine:
         host += 2 * kv.n * hkv * self.head_dim * 4  # one layer's K and V in float32 at a time
         self.last_plan = plan
         t3 = clock()
-        host = max(host, (kv.blob.nbytes if kv.blob is not None else 0) + self._apply(kv, plan, vnorm, counts))
-        t4 = clock()
+        written = self._apply(kv, plan, vnorm, counts)
+        host = max(host, (kv.blob.nbytes if kv.blob is not None else 0) + written)
         self.stats.host_bytes_peak = max(self.stats.host_bytes_peak, host)
+        self.stats.host_kv_bytes += (kv.blob.nbytes if kv.blob is not None else 0) + written
+        self._count_event(t0, t1, t2, t3, clock())
+
+    def _count_event(self, t0: float, t1: float, t2: float, t3: float, t4: float) -> None:
         self.stats.wo_cache_bytes = self._wo.nbytes if self._wo is not None else 0
         self.stats.compression_events += 1
         self.stats.compression_seconds += t4 - t0
         for name, dt in (("observe", t1 - t0), ("read", t2 - t1), ("score", t3 - t2), ("apply", t4 - t3)):
             self.stats.compression_breakdown[name] = self.stats.compression_breakdown.get(name, 0.0) + dt
+
+    def _compress_native(self, q: list[np.ndarray], q_pos: np.ndarray, clock) -> tuple[float, float]:
+        """The score and apply steps on the native backend: the device computes each query head's window
+        attention over the cells and the value norms of the rows not scored before (``Context.score``),
+        the scorers choose from those, and the device moves the kept rows (``Context.compact``). Only
+        queries, positions, biases, scores and indices cross to the host. Returns the clock after reading
+        the cells' positions and after planning."""
+        ctx, n_cl, hkv = self.ctx, len(self.layers), self.model.n_head_kv
+        _, cell_pos = ctx.cells()
+        cell_pos = cell_pos.astype(np.int64)
+        true = self._true_positions(cell_pos)
+        vnorm = self._carry(cell_pos, self._slot_vnorm, np.full((n_cl, hkv, len(cell_pos)), np.nan, np.float32))
+        counts = self._carry(cell_pos, self._slot_count, np.ones((n_cl, hkv, len(cell_pos)), np.int64))
+        t2 = clock()
+        w = observation_window(self.scorer) or 1
+        qs = np.stack([qi[:, -w:] for qi in q]) * self._q_scale  # [n_layer, Hq, w, d]
+        bias = count_bias(counts)
+        need = np.flatnonzero(np.isnan(vnorm).any(axis=(0, 1))) if self._wo is not None else None
+        votes, norms = ctx.score(qs, 1 / math.sqrt(self.head_dim), bias, need)
+        if norms is not None:
+            vnorm[:, :, need] = np.where(np.isnan(vnorm[:, :, need]), norms, vnorm[:, :, need])
+        layers = (LayerInputs(k=None, v=None, pos=true[i], q=qs[i], q_pos=q_pos[-w:], layer=il, n_sink=self.cfg.n_sink,
+                              window=self.cfg.window, bias=None if bias is None else bias[i], vnorm=vnorm[i],
+                              votes=votes[i])
+                  for i, il in enumerate(self.layers))
+        plan = plan_layers(self.scorer, layers, self.budget_cells)
+        self.last_plan = plan
+        t3 = clock()
+        slot_pos = plan.slot_positions()
+        slot_counts = np.where(plan.keep >= 0, np.take_along_axis(counts, np.maximum(plan.keep, 0), axis=2), 0)
+        kept = np.take_along_axis(vnorm, np.maximum(plan.keep, 0), axis=2)
+        kept[plan.keep < 0] = np.nan
+        with np.errstate(divide="ignore"):
+            cell_bias = np.log(slot_counts.astype(np.float32)) if np.any(slot_counts != 1) else None
+        with interrupts_deferred():
+            try:
+                ctx.compact(plan.keep, slot_pos, cell_bias)
+            finally:
+                self._note_live()
+            self._slot_pos = slot_pos.astype(np.int64)
+            self._slot_true = plan.positions
+            self._slot_vnorm = kept
+            self._slot_count = slot_counts
+            self._settled = max(self.budget_cells, plan.n_slots)
+        return t2, t3
 
     def _apply(self, kv: SeqKV, plan: Plan, vnorm: np.ndarray, counts: np.ndarray) -> int:
         """Write the plan's rows into the cells: kept rows as they are, merged ones combined
@@ -711,6 +776,27 @@ def interrupts_deferred(on_signal=None):
         signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
     if pending:
         raise KeyboardInterrupt
+
+
+def resolve_backend(backend: str, method: str, type_k: int | None = None, type_v: int | None = None) -> str:
+    """The KV backend an engine runs compression on: ``native`` or ``state`` (``auto``: native where it can
+    run). UsageError, naming the fix, for ``native`` where it cannot."""
+    if backend not in ("auto", "native", "state"):
+        raise UsageError(f"--backend {backend!r}: choose native, state or auto")
+    if backend == "state":
+        return "state"
+    why = None
+    if "native" not in BACKENDS.get(method, ()):
+        why = f"--method {method} runs on the state backend only (merging and DefensiveKV are computed on the host)"
+    elif any(t not in (None, 0, 1, 30) for t in (type_k, type_v)):  # f32, f16, bf16
+        why = "a quantized KV cache runs on the state backend only (its rows would be re-quantized on the device)"
+    elif not has_native_compression():
+        why = "this llama.cpp has no on-device compression (patches 0010-0011): run `python ggml_patches/build.py`"
+    if why is None:
+        return "native"
+    if backend == "native":
+        raise UsageError(f"--backend native: {why}; use --backend state")
+    return "state"
 
 
 def count_bias(counts: np.ndarray) -> np.ndarray | None:

@@ -97,7 +97,7 @@ def run(args) -> int:
         backend = Backend(model, model_id, chat_options=dict(
             budget=args.budget, method=args.method, ctx_size=args.ctx_size, chunk=args.chunk, window=args.window,
             max_reply=args.n_predict, flash_attn=args.flash_attn, n_threads=args.threads,
-            cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v),
+            cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, backend=args.backend),
             defaults=dict(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                           seed=None if args.seed == -1 else args.seed),
@@ -319,7 +319,8 @@ class Backend:
         return Chat(self.model, o["budget"], o["method"], system=system, ctx_size=o.get("ctx_size", 0),
                     chunk=o.get("chunk", 128), window=o.get("window", 32), max_reply=o.get("max_reply", 512),
                     flash_attn=o.get("flash_attn", False), n_threads=o.get("n_threads"),
-                    cache_type_k=o.get("cache_type_k", "f16"), cache_type_v=o.get("cache_type_v", "f16"))
+                    cache_type_k=o.get("cache_type_k", "f16"), cache_type_v=o.get("cache_type_v", "f16"),
+                    backend=o.get("backend", "auto"))
 
     def submit(self, job: Job) -> concurrent.futures.Future:
         with self._count:

@@ -102,6 +102,7 @@ class RecordingEngine(Engine):
     in ``inputs_of``, and every llama.cpp decode with the cell count right after it."""
 
     def __init__(self, *args, inputs_of: tuple[int, ...] = (), **kwargs):
+        kwargs.setdefault("backend", "state")  # it records the K/V rows the scorers read on the host
         super().__init__(*args, **kwargs)
         self.events: list[Event] = []
         self.decodes: list[Decode] = []

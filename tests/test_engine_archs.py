@@ -119,6 +119,7 @@ class RecordingEngine(Engine):
     compressed layer) that event ``inputs_of`` scored."""
 
     def __init__(self, *args, inputs_of: int = -1, **kwargs):
+        kwargs.setdefault("backend", "state")  # it records the K/V rows the scorers read on the host
         super().__init__(*args, **kwargs)
         self.events: list[Event] = []
         self.phase = "prefill"

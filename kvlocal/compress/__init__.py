@@ -129,8 +129,30 @@ def make_scorer(name: str, **params) -> Scorer:
 # methods that weigh entries by their value projected through W_O (Scorer.needs_wo)
 WO_METHODS = frozenset(m for m in METHODS if make_scorer(m).needs_wo)
 
+# The KV backends that run each method (the engine's --backend). A scorer exists up to three times:
+#   - the oracle: kvlocal.reference.compress (PyTorch, readable, the definition tests check against);
+#   - "state": these numpy/C scorers on K/V read to the host from llama.cpp's sequence state;
+#   - "native": the same scorers fed by the patched llama.cpp's on-device graphs (llama_kv_score: window
+#     votes and projected value norms; llama_kv_compact: the kept rows), so no K/V row leaves the device.
+# Native methods are the ones whose inputs those graphs compute; merging (the merged rows are computed on
+# the host) and DefensiveKV (a maximum over the window, not the mean) run on the state backend only.
+NATIVE_METHODS = frozenset({"full", "streaming", "snapkv", "criticalkv", "adakv", "criticalkv+adakv"})
+BACKENDS = {m: ("native", "state") if m in NATIVE_METHODS else ("state",) for m in METHODS}
+
+
+def observation_window(scorer: Scorer) -> int | None:
+    """The observation queries an attention scorer reads (SnapKV's ``window_size``, through wrappers), or
+    None for a scorer that reads none."""
+    while scorer is not None:
+        if hasattr(scorer, "window_size"):
+            return int(scorer.window_size)
+        scorer = getattr(scorer, "press", None)
+    return None
+
 __all__ = [
+    "BACKENDS",
     "BIAS_METHODS",
+    "NATIVE_METHODS",
     "METHODS",
     "WO_METHODS",
     "AdaKV",
@@ -150,6 +172,7 @@ __all__ = [
     "make_scorer",
     "method_params",
     "native_scoring",
+    "observation_window",
     "plan_layers",
     "projected_value_norms",
     "select",

@@ -53,8 +53,10 @@ class LayerInputs:
 
     Parameters
     ----------
-    k, v : np.ndarray
-        ``[Hkv, n, d]`` float32 keys (after RoPE) and values of the ``n`` cells, in cell order.
+    k, v : np.ndarray or None
+        ``[Hkv, n, d]`` float32 keys (after RoPE) and values of the ``n`` cells, in cell order. None
+        where they never reach the host (the native backend): then ``votes`` and ``pos`` ``[Hkv, n]``
+        are given, and for CriticalKV every ``vnorm`` it ranks.
     pos : np.ndarray
         ``[n]`` int positions of the cells (all KV heads of a cell share it in llama.cpp), or
         ``[Hkv, n]`` when the engine tracks a source position per head. Not sorted; distinct per head
@@ -88,6 +90,11 @@ class LayerInputs:
         depend only on a cell's value row and ``W_O``, so an engine can carry them from one event to
         the next for the cells that stay. CriticalKV computes the missing ones it needs and writes them
         into this array (in place); ``None``: computed every time.
+    votes : np.ndarray, optional
+        ``[Hq, n]`` float32 window attention already computed where K lives (the native backend's
+        ``llama_kv_score``): each query head's softmax attention over the cells, averaged over the
+        observation queries ``q`` — what :func:`window_votes` returns. Attention scorers use it in place of
+        computing it from ``k``.
     """
 
     k: np.ndarray
@@ -101,12 +108,20 @@ class LayerInputs:
     window: int | None = None
     bias: np.ndarray | None = None
     vnorm: np.ndarray | None = None
+    votes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        if self.k.ndim != 3 or self.v.shape[:2] != self.k.shape[:2]:
-            raise ValueError(f"layer {self.layer}: k {self.k.shape} and v {self.v.shape} must be [Hkv, n, d]")
-        hkv, n, d = self.k.shape
         self.pos = np.asarray(self.pos, dtype=np.int64)
+        if self.k is None:
+            if self.votes is None or self.pos.ndim != 2 or self.q is None:
+                raise ValueError(f"layer {self.layer}: without k, give votes, q and pos [Hkv, n]")
+            (hkv, n), d = self.pos.shape, self.q.shape[2]
+            if self.votes.shape != (self.q.shape[0], n):
+                raise ValueError(f"layer {self.layer}: votes {self.votes.shape} must be [Hq, {n}]")
+        elif self.k.ndim != 3 or self.v.shape[:2] != self.k.shape[:2]:
+            raise ValueError(f"layer {self.layer}: k {self.k.shape} and v {self.v.shape} must be [Hkv, n, d]")
+        else:
+            hkv, n, d = self.k.shape
         if self.pos.shape not in ((n,), (hkv, n)):
             raise ValueError(f"layer {self.layer}: pos {self.pos.shape} must be [{n}] or [{hkv}, {n}]")
         if (self.q is None) != (self.q_pos is None):
@@ -130,11 +145,11 @@ class LayerInputs:
 
     @property
     def n_kv(self) -> int:
-        return self.k.shape[0]
+        return self.k.shape[0] if self.k is not None else self.pos.shape[0]
 
     @property
     def n(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[1] if self.k is not None else self.pos.shape[1]
 
     @property
     def n_head(self) -> int:
@@ -193,15 +208,21 @@ class LayerInputs:
         cells = np.asarray(cells, dtype=np.int64)
         heads, filled, idx = np.arange(self.n_kv)[:, None], cells >= 0, np.maximum(cells, 0)
 
-        def rows(a: np.ndarray) -> np.ndarray:
-            return np.where(filled[..., None], a[heads, idx], 0).astype(a.dtype)
+        def rows(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else np.where(filled[..., None], a[heads, idx], 0).astype(a.dtype)
+
+        votes = None
+        if self.votes is not None:  # [Hq, n]: query head h reads KV head h // G
+            group = self.votes.shape[0] // self.n_kv
+            qf, qi = np.repeat(filled, group, axis=0), np.repeat(idx, group, axis=0)
+            votes = np.where(qf, np.take_along_axis(self.votes, qi, axis=1), 0).astype(np.float32)
 
         bias = None
         if self.bias is not None or not filled.all():
             bias = np.zeros(cells.shape, np.float32) if self.bias is None else self.bias[heads, idx]
             bias = np.where(filled, bias, -np.inf).astype(np.float32)
         return dataclasses.replace(
-            self, k=rows(self.k), v=rows(self.v), pos=np.where(filled, self.pos_h[heads, idx], EMPTY), bias=bias,
+            self, k=rows(self.k), v=rows(self.v), pos=np.where(filled, self.pos_h[heads, idx], EMPTY), bias=bias, votes=votes,
             vnorm=None if self.vnorm is None else np.where(filled, self.vnorm[heads, idx], np.nan).astype(np.float32))
 
 

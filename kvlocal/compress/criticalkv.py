@@ -59,7 +59,7 @@ class CriticalKV(Scorer):
         return self.press.score(layer)
 
     def rerank(self, layer: LayerInputs, scores: np.ndarray, budgets: np.ndarray) -> np.ndarray:
-        if layer.wo is None or layer.q is None:
+        if (layer.wo is None and layer.v is not None) or layer.q is None:
             raise ValueError(f"layer {layer.layer}: CriticalKV needs wo (o_proj weight [D, Hq*d]) and q (for Hq)")
         scores = np.asarray(self.press.rerank(layer, scores, budgets), dtype=np.float32)
         crit = scores.copy()  # +inf / -inf cells keep their score whatever their norm
@@ -74,8 +74,11 @@ class CriticalKV(Scorer):
         ranked = ~first & np.isfinite(scores)  # the cells stage 2 ranks: the only norms needed
         vnorm = layer.vnorm if layer.vnorm is not None else np.full(scores.shape, np.nan, dtype=np.float32)
         todo = [np.flatnonzero(ranked[g] & np.isnan(vnorm[g])) for g in range(layer.n_kv)]
-        for g, norms in enumerate(projected_value_norms(layer.v, layer.wo, layer.n_head, todo)):
-            vnorm[g, todo[g]] = norms
+        if any(len(t) for t in todo):
+            if layer.v is None:
+                raise ValueError(f"layer {layer.layer}: CriticalKV without v needs the norms of every cell it ranks")
+            for g, norms in enumerate(projected_value_norms(layer.v, layer.wo, layer.n_head, todo)):
+                vnorm[g, todo[g]] = norms
         crit[ranked] = (scores[ranked] + np.float32(self.epsilon)) * vnorm[ranked]
         crit[first] = np.inf
         return crit

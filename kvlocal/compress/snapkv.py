@@ -50,7 +50,10 @@ class SnapKV(Scorer):
         q, q_pos = layer.q[:, -self.window_size :], layer.q_pos[-self.window_size :]
         hkv, n = layer.n_kv, layer.n
         group = q.shape[0] // hkv
-        votes = window_votes(q, q_pos, layer.k, layer.pos, layer.bias)  # [Hq, n], cell order
+        if layer.votes is not None:  # computed where K lives (the native backend), over these queries
+            votes = layer.votes
+        else:
+            votes = window_votes(q, q_pos, layer.k, layer.pos, layer.bias)  # [Hq, n], cell order
         outside = layer.live & ~layer.window_mask(q_pos)  # empty rows are not pooled and stay -inf
         order = order_by_pos(layer.pos, hkv)  # [Hkv, n] cells in position order
         scores = np.full((hkv, n), -np.inf, dtype=np.float32)

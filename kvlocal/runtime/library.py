@@ -14,7 +14,7 @@ from ..errors import UsageError
 # everything in runtime/ was checked against this one.
 REQUIRED_LLAMA_CPP_PYTHON = "0.3.36"
 # LLAMA_KVLOCAL_ABI_VERSION written by the last patch in ggml_patches/
-REQUIRED_PATCH_ABI = 5
+REQUIRED_PATCH_ABI = 7
 
 BUILD_HINT = "run `python ggml_patches/build.py` (see README)"
 
@@ -112,6 +112,17 @@ def patch_functions():
             "llama_memory_seq_set_bias", ctypes.c_int32,
             [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t],
         ),
+        "compact": _symbol(
+            "llama_kv_compact", ctypes.c_int32,
+            [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
+             ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float)],
+        ),
+        "score": _symbol(
+            "llama_kv_score", ctypes.c_int32,
+            [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_int32, ctypes.c_float,
+             ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int32),
+             ctypes.c_int32, ctypes.POINTER(ctypes.c_float)],
+        ),
     }
 
 
@@ -120,6 +131,14 @@ def has_attention_bias() -> bool:
     """Whether the runtime's KV cells carry the per-head attention bias (patch 0006): its state blobs then
     have a bias section, and merging and head-budget methods can run."""
     return patch_functions()["set_bias"] is not None
+
+
+@functools.lru_cache(maxsize=None)
+def has_native_compression() -> bool:
+    """Whether the runtime scores and compacts KV cells on their device (patches 0010-0011): the engine's
+    ``native`` backend."""
+    fns = patch_functions()
+    return fns["compact"] is not None and fns["score"] is not None
 
 
 def runtime_info() -> RuntimeInfo:

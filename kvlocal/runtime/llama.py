@@ -268,6 +268,58 @@ class Context:
             raise ValueError(f"llama_memory_seq_set_bias refused layer {il} with shape {np.shape(bias)} "
                              f"(needs [n_head_kv, cells of sequence 0])")
 
+    def compact(self, src: np.ndarray, pos: np.ndarray, bias: np.ndarray | None = None) -> None:
+        """Rewrite the cells of sequence 0 on their device (``llama_kv_compact``, patch 0010): afterwards it
+        holds ``B = len(pos)`` cells, the first ``B`` of :meth:`cells`, and in compressed layer ``l`` and KV
+        head ``h`` cell ``j`` holds the row cell ``src[l, h, j]`` held (an index into :meth:`cells` order,
+        ``-1``: left as is), at position ``pos[j]``; ``bias`` ``[n_layer, Hkv, B]`` the new attention bias
+        (None: 0). No K/V row leaves the device. Raises ValueError if llama.cpp refuses."""
+        fn = patch_functions()["compact"]
+        if fn is None:
+            raise UsageError("on-device compaction needs kvlocal's patched llama.cpp (patch 0010): run `python ggml_patches/build.py`")
+        src = np.ascontiguousarray(src, dtype=np.int32)
+        pos = np.ascontiguousarray(pos, dtype=np.int32)
+        b = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+        if src.ndim != 3 or src.shape[2] != len(pos) or (b is not None and b.shape != src.shape):
+            raise ValueError(f"compact: src {src.shape}, pos {pos.shape}, bias {None if b is None else b.shape} do not match")
+        rc = fn(self._ptr, 0, len(pos), src.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                None if b is None else b.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+        if rc < 0:
+            why = {-2: "a quantized cache (its rows would be re-quantized)", -3: "the graph failed"}.get(rc, "invalid arguments")
+            raise ValueError(f"llama_kv_compact refused: {why}")
+
+    def score(self, q: np.ndarray, scale: float, bias: np.ndarray | None = None,
+              vnorm_cells: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """Score the cells of sequence 0 on their device (``llama_kv_score``, patch 0011).
+
+        ``q``: ``[n_layer, Hq, w, d]`` float32 window queries after RoPE (the compressed layers), logits
+        ``scale * q·k + bias`` (``bias`` ``[n_layer, Hkv, n]``, None: 0). Returns the softmax attention of
+        each query head averaged over the window, ``[n_layer, Hq, n]`` (cells in :meth:`cells` order), and
+        for the cells ``vnorm_cells`` the projected value norm ``mean_h ||v · W_O^h||_1`` over each KV
+        head's query heads, ``[n_layer, Hkv, len(vnorm_cells)]`` (None without cells)."""
+        fn = patch_functions()["score"]
+        if fn is None:
+            raise UsageError("on-device scoring needs kvlocal's patched llama.cpp (patch 0011): run `python ggml_patches/build.py`")
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        n_layer, hq, w, _ = q.shape
+        n = len(self.cells()[0])
+        hkv = self.model.n_head_kv
+        b = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+        if b is not None and b.shape != (n_layer, hkv, n):
+            raise ValueError(f"score: bias {b.shape} is not [{n_layer}, {hkv}, {n}]")
+        cells = np.ascontiguousarray(np.zeros(0) if vnorm_cells is None else vnorm_cells, dtype=np.int32)
+        attn = np.empty((n_layer, hq, n), dtype=np.float32)
+        vnorm = np.empty((n_layer, hkv, len(cells)), dtype=np.float32)
+        f32 = ctypes.POINTER(ctypes.c_float)
+        rc = fn(self._ptr, 0, q.ctypes.data_as(f32), w, float(scale), None if b is None else b.ctypes.data_as(f32),
+                attn.ctypes.data_as(f32), cells.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(cells),
+                vnorm.ctypes.data_as(f32))
+        if rc != n:
+            why = {-2: "a quantized cache", -3: "the graph failed"}.get(rc, "invalid arguments")
+            raise ValueError(f"llama_kv_score refused: {why}")
+        return attn, (vnorm if len(cells) else None)
+
     @staticmethod
     def _bias_fn(name: str):
         fn = patch_functions()[name]

@@ -1,0 +1,205 @@
+"""The native KV backend: scoring and compaction on the cache's own device (patches 0010, 0011).
+
+In the spirit of llama.cpp's ``test-backend-ops``, each new operation runs on the real runtime against an
+independent implementation on the host: ``llama_kv_compact`` against the rows the state backend reads
+before and after (K and both V layouts, F32/F16/BF16 caches, rows left empty), ``llama_kv_score`` against
+:mod:`kvlocal.compress.numpy_ref` on the same K/V rows read through the state (window attention with a
+``log(count)`` / ``-inf`` bias, projected value norms through the model's own quantized ``attn_output``).
+Then the whole engine: the native and state backends on the same model and prompt keep identical sets
+on tiny F32 models of every architecture (Gemma 3's iSWA cache included), and on SmolLM2 Q4_1 a mean
+Jaccard of at least 0.95 with logits within the replay tolerance; refusals are one line. On a machine
+with a GPU, ``KVLOCAL_TEST_NGL=99`` runs the same checks with the cache on the device
+(``ggml_patches/gpu_check.sh``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "reference"))  # tiny_gguf
+
+import tiny_gguf  # noqa: E402
+
+from conftest import assert_usage_error, run_cli  # noqa: E402
+from kvlocal.compress import NATIVE_METHODS, numpy_ref  # noqa: E402
+from kvlocal.engine import Engine, output_projections  # noqa: E402
+from kvlocal.errors import UsageError  # noqa: E402
+from kvlocal.runtime import Context, Model  # noqa: E402
+from kvlocal.runtime.state import read_seq  # noqa: E402
+from kvlocal.verify import sample_text  # noqa: E402
+
+NGL = int(os.environ.get("KVLOCAL_TEST_NGL", "0"))
+THREADS = 2
+FA = pytest.mark.parametrize("fa", [False, True], ids=["v-transposed", "v-rows"])
+TYPES = {"f32": 0, "f16": 1, "bf16": 30}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("native")
+    return {arch: tiny_gguf.write_tiny(d / f"{arch}.gguf", arch=arch, n_swa=16, swa_pattern=3)
+            for arch in ("llama", "qwen2", "qwen3", "gemma3")}
+
+
+def filled_context(model: Model, fa: bool, type_kv: int | None = None, n: int = 300, hole: tuple = (100, 140)) -> Context:
+    """A context holding ``n`` tokens of prose with a hole (cells and positions part ways)."""
+    ctx = Context(model, n_ctx=512, n_batch=512, n_threads=THREADS, flash_attn=fa, type_k=type_kv, type_v=type_kv)
+    tokens = model.tokenize(sample_text())[:n]
+    ctx.decode(tokens, range(len(tokens)), "none")
+    ctx.remove(*hole)
+    return ctx
+
+
+# -- llama_kv_compact ----------------------------------------------------------------------------
+
+
+@FA
+@pytest.mark.parametrize("cache", ["f16", "f32", "bf16"])
+def test_compact_moves_each_heads_rows_on_the_device(tiny, fa, cache):
+    model = Model(tiny["llama"], n_gpu_layers=NGL)
+    ctx = filled_context(model, fa, TYPES[cache])
+    before = read_seq(ctx).copy()
+    n, n_layer, hkv, b = before.n, len(model.arch.full_layers), model.n_head_kv, 150
+    rng = np.random.default_rng(1)
+    src = np.stack([np.stack([np.sort(rng.choice(n, b, replace=False)) for _ in range(hkv)]) for _ in range(n_layer)])
+    src[0, 1, :5] = -1  # rows left as they are (a head with fewer entries: masked by its bias)
+    bias = np.where(src >= 0, np.log(rng.integers(1, 4, src.shape)), -np.inf).astype(np.float32)
+    cells_before = ctx.cells()[0]
+    ctx.compact(src, np.arange(1000, 1000 + b), bias)
+
+    after = read_seq(ctx)
+    cells, pos = ctx.cells()
+    assert np.array_equal(cells, cells_before[:b]) and np.array_equal(pos, np.arange(1000, 1000 + b))
+    for il in range(n_layer):
+        for h in range(hkv):
+            s, kept = src[il, h], src[il, h] >= 0
+            for name in ("k", "v"):
+                got, was = getattr(after, name)[il][:, h], getattr(before, name)[il][:, h]
+                assert np.array_equal(got[kept], was[s[kept]]), (name, il, h)  # bit-exact moves
+                assert np.array_equal(got[~kept], was[np.flatnonzero(~kept)]), (name, il, h)
+        assert np.array_equal(ctx.bias(il), bias[il])
+    assert np.isfinite(ctx.decode([5], [1000 + b], "last")).all()
+
+
+def test_compact_refuses_a_quantized_cache_and_bad_indices(smollm2_model):
+    ctx = filled_context(smollm2_model, True, 8)  # q8_0 K and V
+    n_layer, hkv = len(smollm2_model.arch.full_layers), smollm2_model.n_head_kv
+    n = len(ctx.cells()[0])
+    src = np.zeros((n_layer, hkv, 4), np.int32)
+    with pytest.raises(ValueError, match="quantized"):
+        ctx.compact(src, np.arange(4))
+    ctx = filled_context(smollm2_model, False)
+    for bad in (np.full_like(src, n), np.full_like(src, -2)):
+        with pytest.raises(ValueError, match="invalid"):
+            ctx.compact(bad, np.arange(4))
+    assert len(ctx.cells()[0]) == n  # nothing changed
+
+
+# -- llama_kv_score ------------------------------------------------------------------------------
+
+
+@FA
+def test_score_matches_numpy_on_the_same_rows(smollm2_model, fa):
+    """Window attention (with a log(count) and a -inf bias) and projected value norms (W_O Q4_1,
+    dequantized on the device) against numpy_ref on the rows read through the state."""
+    model = smollm2_model
+    ctx = filled_context(model, fa)
+    kv = read_seq(ctx)
+    n_layer, hq, hkv, d = len(model.arch.full_layers), model.n_head, model.n_head_kv, model.arch.head_dim_k
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((n_layer, hq, 8, d)).astype(np.float32)
+    bias = np.zeros((n_layer, hkv, kv.n), np.float32)
+    bias[:, :, 5], bias[:, 1, 7] = -np.inf, math.log(3)
+    cells = np.array([0, 3, 9, kv.n - 1])
+    attn, norms = ctx.score(q, 1 / math.sqrt(d), bias, cells)
+    wo = output_projections(str(model.path))
+    for i, il in enumerate(model.arch.full_layers):
+        k, v = (a[i].transpose(1, 0, 2).astype(np.float32) for a in (kv.k, kv.v))
+        ref = numpy_ref.window_votes(q[i], np.full(8, 10**6), k, kv.pos, bias[i])
+        np.testing.assert_allclose(attn[i], ref, atol=1e-6)
+        assert np.all(attn[i][:, 5] == 0)
+        for h in range(hkv):
+            ref = numpy_ref.vnorm_l1(v[h], wo[il], h * (hq // hkv), hq // hkv, cells)
+            np.testing.assert_allclose(norms[i, h], ref, rtol=1e-5)
+
+
+# -- the engine on both backends -----------------------------------------------------------------
+
+
+def run_engine(model, backend, method, tokens, budget, **kw):
+    eng = Engine(model, budget, method, max_tokens=len(tokens) + 40, n_threads=THREADS, backend=backend, **kw)
+    eng.prefill(tokens, probe=tokens[-32:])
+    reply = list(eng.generate(24, stop_at_eog=False))  # decode-time events too
+    return eng, reply
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_native_and_state_keep_identical_sets_on_tiny_f32_models(tiny, arch):
+    model = Model(tiny[arch], n_gpu_layers=NGL)
+    tokens = model.tokenize(sample_text())[:600]
+    for method in sorted(NATIVE_METHODS - {"full"}):
+        native, r_native = run_engine(model, "native", method, tokens, 64, chunk=32, window=16)
+        state, r_state = run_engine(model, "state", method, tokens, 64, chunk=32, window=16)
+        assert native.backend == "native" and state.backend == "state"
+        assert native.stats.compression_events == state.stats.compression_events > 3, method
+        for a, b in ((native.prompt_plan, state.prompt_plan), (native.last_plan, state.last_plan)):
+            assert np.array_equal(a.positions, b.positions), (arch, method)
+        assert r_native == r_state, (arch, method)
+        assert native.stats.host_kv_bytes == 0 < state.stats.host_kv_bytes
+
+
+def jaccard(a, b) -> np.ndarray:
+    out = []
+    for pa, pb in zip(a.positions.reshape(-1, a.positions.shape[-1]), b.positions.reshape(-1, b.positions.shape[-1])):
+        sa, sb = set(pa[pa >= 0].tolist()), set(pb[pb >= 0].tolist())
+        out.append(len(sa & sb) / len(sa | sb))
+    return np.array(out)
+
+
+def test_native_agrees_with_state_on_smollm2(smollm2_model):
+    """CriticalKV on SmolLM2 Q4_1 (F16 cache), 1,536 tokens at budget 0.1: the same kept sets (mean Jaccard
+    >= 0.95 over layers and heads, the prompt's plan and the last one) and next-token logits within the
+    replay test's tolerance (max |Δlogit| 0.05); native copies no K/V to the host."""
+    text = smollm2_model.tokenize((Path(__file__).parents[1] / "kvlocal/data/gpl-3.0.txt").read_text())[:1536]
+    native, r_native = run_engine(smollm2_model, "native", "criticalkv", text, 0.1)
+    state, r_state = run_engine(smollm2_model, "state", "criticalkv", text, 0.1)
+    for a, b in ((native.prompt_plan, state.prompt_plan), (native.last_plan, state.last_plan)):
+        assert jaccard(a, b).mean() >= 0.95
+    assert np.abs(native.logits - state.logits).max() < 0.05
+    assert native.stats.host_kv_bytes == 0 and state.stats.host_kv_bytes > 10 * 2**20
+    assert native.stats.compression_events == state.stats.compression_events >= 5
+
+
+# -- choosing the backend ------------------------------------------------------------------------
+
+
+def test_backend_choice_and_refusals(smollm2_model):
+    assert Engine(smollm2_model, 64, "criticalkv", max_tokens=512).backend == "native"  # auto
+    assert Engine(smollm2_model, 64, "kvslimmer", max_tokens=512).backend == "state"  # auto: merging is on the host
+    assert Engine(smollm2_model, 64, "snapkv", max_tokens=512, type_k=8).backend == "state"
+    with pytest.raises(UsageError, match="state backend only"):
+        Engine(smollm2_model, 64, "kvslimmer", max_tokens=512, backend="native")
+    with pytest.raises(UsageError, match="quantized"):
+        Engine(smollm2_model, 64, "criticalkv", max_tokens=512, type_k=8, backend="native")
+    with pytest.raises(UsageError, match="choose native, state or auto"):
+        Engine(smollm2_model, 64, "criticalkv", max_tokens=512, backend="gpu")
+
+
+def test_cli_backend_flag(smollm2, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(sample_text()[:3000])
+    r = run_cli("run", smollm2, "--prompt-file", str(prompt), "--budget", "96", "-n", "4", "--json", "--backend", "native")
+    assert r.returncode == 0, r.stderr
+    import json
+
+    out = json.loads(r.stdout)
+    assert out["backend"] == "native" and out["host_kv_bytes"] == 0 and out["compression_events"] >= 1
+    r = run_cli("run", smollm2, "--prompt-file", str(prompt), "--budget", "96", "-n", "4", "--backend", "native",
+                "--method", "meanmerge")
+    assert_usage_error(r, "--backend native", "--backend state")
