@@ -17,6 +17,7 @@ import time
 from importlib import resources
 
 from .engine import Budget, Engine
+from .errors import UsageError
 from .runtime import Model
 
 
@@ -47,7 +48,11 @@ def default_backends(method: str) -> list[str]:
     """native and state where the runtime and the method have both, else the one there is."""
     from .engine import resolve_backend
 
-    return ["native", "state"] if resolve_backend("auto", method) == "native" else ["state"]
+    try:
+        resolve_backend("native", method)
+    except UsageError:
+        return ["state"]
+    return ["native", "state"]
 
 
 def run(args) -> int:
@@ -90,10 +95,12 @@ def run(args) -> int:
     row("n_ctx (cells)", f"{full['n_ctx']:,}", [f"{runs[b]['n_ctx']:,}" for b in backends])
     row("decode tokens/s", f"{full['decode_tok_s']:.1f}", [f"{runs[b]['decode_tok_s']:.1f}" for b in backends])
     row("  ratio to full", "", [f"{res[b]['decode_speedup']:.2f}x" for b in backends], ">= 2.5x")
-    row("prefill seconds", f"{full['prefill_seconds']:.2f}", [f"{runs[b]['prefill_seconds']:.2f}" for b in backends])
+    row("prefill seconds (TTFT)", f"{full['prefill_seconds']:.2f}", [f"{runs[b]['prefill_seconds']:.2f}" for b in backends])
     row("compression seconds", "", [f"{runs[b]['compression_seconds']:.2f}" for b in backends])
     row("  share of prefill", "", [f"{100 * res[b]['compression_over_prefill']:.1f}%" for b in backends], "<= 5%")
     row("compression events", "", [f"{runs[b]['compression_events']}" for b in backends])
+    row("  milliseconds per event", "", [f"{1000 * runs[b]['compression_seconds'] / max(1, runs[b]['compression_events']):.1f}"
+                                        for b in backends])
     row("K/V copied to the host", "", [f"{runs[b]['host_kv_bytes'] / mib:,.1f} MiB" for b in backends], "0 on native")
     for step in ("observe", "read", "score", "apply"):
         row(f"  {step} seconds", "", [f"{runs[b]['compression_breakdown'].get(step, 0.0):.2f}" for b in backends])

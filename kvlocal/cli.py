@@ -106,7 +106,7 @@ def _budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "native", "state"),
                    help="where compression runs: native = on the device that holds the cache (patched llama.cpp; "
                         "eviction methods, unquantized caches), state = K/V read to the host (every method); "
-                        "default auto: native where it can run")
+                        "default auto: native when the model is offloaded to a GPU (-ngl), else state")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

@@ -68,7 +68,7 @@ from .gguf_file import dequantize_tensor, read_gguf
 from .runtime import Context, Model
 from .runtime.capture import QueryCapture
 from .runtime.kvquant import CacheBasis, bytes_per_value
-from .runtime.library import has_attention_bias, has_native_compression
+from .runtime.library import has_attention_bias, has_native_compression, runtime_info
 from .runtime.llama import N_UBATCH, kv_cache_bytes
 from .runtime.state import CacheLost, SeqKV, clear_seq, get_blob, read_seq, set_blob, write_seq
 from .sampling import Sampler
@@ -240,12 +240,13 @@ class Engine:
         self.cfg = EngineConfig(budget, method, chunk, window, n_sink, max_tokens)
         self.cfg.validate()
         self.scorer = make_scorer(method)
-        self.backend = resolve_backend(backend, method, type_k, type_v)
+        resolve_backend(backend, method, type_k, type_v)  # a refusal before the model loads
         if method in BIAS_METHODS and not has_attention_bias():
             raise UsageError(f"--method {method} needs kvlocal's patched llama.cpp (a per-head attention bias, "
                              f"patch 0006); this runtime is stock: run `python ggml_patches/build.py`")
         self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
         m = self.model
+        self.backend = resolve_backend(backend, method, type_k, type_v, offloaded=m.n_gpu_layers != 0)
         self.layers = m.arch.full_layers  # the model layers whose cache is compressed (all but sliding ones)
         self.head_dim = m.arch.head_dim_k
         # how the cache stores rows: a quantized one as raw blocks, K (and V) Walsh–Hadamard-rotated
@@ -778,9 +779,14 @@ def interrupts_deferred(on_signal=None):
         raise KeyboardInterrupt
 
 
-def resolve_backend(backend: str, method: str, type_k: int | None = None, type_v: int | None = None) -> str:
-    """The KV backend an engine runs compression on: ``native`` or ``state`` (``auto``: native where it can
-    run). UsageError, naming the fix, for ``native`` where it cannot."""
+def resolve_backend(backend: str, method: str, type_k: int | None = None, type_v: int | None = None,
+                    offloaded: bool = True) -> str:
+    """The KV backend an engine runs compression on: ``native`` or ``state``. UsageError, naming the fix, for
+    ``native`` where it cannot run.
+
+    ``auto`` picks native where it can run and the model is ``offloaded`` to a GPU (its cache then stays on
+    the device instead of crossing PCIe twice per event), and state on the CPU, where the cache is in host
+    memory either way and the host scorers measured faster (docs/engine.md, "Native backend")."""
     if backend not in ("auto", "native", "state"):
         raise UsageError(f"--backend {backend!r}: choose native, state or auto")
     if backend == "state":
@@ -793,7 +799,7 @@ def resolve_backend(backend: str, method: str, type_k: int | None = None, type_v
     elif not has_native_compression():
         why = "this llama.cpp has no on-device compression (patches 0010-0011): run `python ggml_patches/build.py`"
     if why is None:
-        return "native"
+        return "native" if backend == "native" or (offloaded and runtime_info().gpu_offload) else "state"
     if backend == "native":
         raise UsageError(f"--backend native: {why}; use --backend state")
     return "state"

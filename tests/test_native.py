@@ -180,7 +180,9 @@ def test_native_agrees_with_state_on_smollm2(smollm2_model):
 
 
 def test_backend_choice_and_refusals(smollm2_model):
-    assert Engine(smollm2_model, 64, "criticalkv", max_tokens=512).backend == "native"  # auto
+    # auto: native where the cache is on a GPU; on the CPU the state backend measured faster
+    assert Engine(smollm2_model, 64, "criticalkv", max_tokens=512).backend == ("native" if NGL else "state")
+    assert Engine(smollm2_model, 64, "criticalkv", max_tokens=512, backend="native").backend == "native"
     assert Engine(smollm2_model, 64, "kvslimmer", max_tokens=512).backend == "state"  # auto: merging is on the host
     assert Engine(smollm2_model, 64, "snapkv", max_tokens=512, type_k=8).backend == "state"
     with pytest.raises(UsageError, match="state backend only"):

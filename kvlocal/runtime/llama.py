@@ -44,6 +44,7 @@ class Model:
             _NO_PROGRESS = lib.llama_progress_callback(_no_progress)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        self.n_gpu_layers = n_gpu_layers
         params.progress_callback = _NO_PROGRESS  # llama.cpp prints dots to stderr otherwise
         self._ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._ptr:

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Pack what ggml_patches/gpu_check.sh needs on an offline GPU machine, next to this repo's checkout:
+#   ggml_patches/gpu_pack.sh [OUT]          # default .gpu (git-ignored); then copy the repo with OUT
+# OUT holds (about 8 MiB): the patched llama.cpp sources a CUDA build needs (not the 77 MB source package),
+# llama-cpp-python's Python package (its library comes from that build through LLAMA_CPP_LIB_PATH), the
+# wheels of the Python packages a stock CUDA/PyTorch image lacks (gguf, diskcache, cffi for GPU_PYTHON, default
+# 3.12) and kvlocal's compiled C kernels.
+# Run it where ./setup.sh has run (the source package is in the kvlocal cache, the kernels are built).
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(dirname "$here")"
+out="$(realpath -m "${1:-$repo/.gpu}")"
+cache="${KVLOCAL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvlocal}"
+sdist="$cache/src/llama_cpp_python-0.3.36.tar.gz"
+[ -f "$sdist" ] || { echo "gpu_pack.sh: $sdist is missing: run ./setup.sh once" >&2; exit 2; }
+kernels=$(ls "$repo"/kvlocal/_kernels*.so 2>/dev/null | head -1 || true)
+[ -n "$kernels" ] || { echo "gpu_pack.sh: kvlocal's C kernels are not built: run ./setup.sh once" >&2; exit 2; }
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+tar xzf "$sdist" -C "$tmp"
+src="$tmp/llama_cpp_python-0.3.36"
+tree="$src/vendor/llama.cpp"
+for p in "$here"/[0-9][0-9][0-9][0-9]-*.patch; do
+    patch -d "$tree" -p1 --forward --batch --quiet -i "$p"
+done
+rm -rf "$out" && mkdir -p "$out/wheels"
+# the sources of the ggml and llama libraries and of ggml's test-backend-ops
+tar czf "$out/llama.cpp.tar.gz" -C "$tree" CMakeLists.txt cmake ggml src include common vendor tests licenses LICENSE
+cp -r "$src/llama_cpp" "$out/llama_cpp"
+find "$out/llama_cpp" -name '*.so' -delete
+cp "$kernels" "$out/"
+version() { "$repo/.venv/bin/python" -c "import importlib.metadata as m; print(m.version('$1'))"; }
+# pure-Python wheels, and cffi's compiled backend (the kernels import it) for the GPU image's CPython
+"$repo/.venv/bin/python" -m pip download -q --no-deps --only-binary=:all: -d "$out/wheels" \
+    "gguf==$(version gguf)" "diskcache==$(version diskcache)"
+"$repo/.venv/bin/python" -m pip download -q --no-deps --only-binary=:all: -d "$out/wheels" \
+    --python-version "${GPU_PYTHON:-3.12}" --implementation cp --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "cffi==$(version cffi)"
+du -sh "$out"
