@@ -401,7 +401,8 @@ class Backend:
             kv = {"tokens_kept": st.kv_tokens_kept, "tokens_seen": st.tokens_seen, "bytes_allocated": st.kv_bytes,
                   "bytes_full": st.kv_bytes_full, "method": st.method, "budget": st.budget,
                   "budget_cells": st.budget_cells, "cache_reused": reused > 0, "tokens_reused": reused,
-                  "compression_events": st.compression_events}
+                  "compression_events": st.compression_events, "backend": s.backend,
+                  "host_kv_bytes": s.host_kv_bytes}
         except (_Gone, _ShuttingDown):
             if mode == "continue":  # stopped while the new message was read: Chat put itself back as it was
                 self.cache.put(job.key[:-1], chat, chat.stats.kv_bytes)

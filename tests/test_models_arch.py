@@ -264,7 +264,7 @@ def test_decode_time_events_are_scored_by_the_question_and_the_reply(smollm2_mod
 
 def test_wo_cache_is_bounded_and_reported(smollm2, smollm2_model, prose):
     """CriticalKV's dequantized W_O is kept per layer in a bounded LRU cache; the engine reports its bytes."""
-    from kvlocal.engine import OutputProjections
+    from kvlocal.runtime.weights import OutputProjections
     from kvlocal.gguf_file import dequantize_tensor, read_gguf
 
     one = 576 * 576 * 4  # SmolLM2: W_O is [576, 576] float32

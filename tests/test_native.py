@@ -28,10 +28,11 @@ import tiny_gguf  # noqa: E402
 
 from conftest import assert_usage_error, run_cli  # noqa: E402
 from kvlocal.compress import NATIVE_METHODS, numpy_ref  # noqa: E402
-from kvlocal.engine import Engine, output_projections  # noqa: E402
+from kvlocal.engine import Engine  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
 from kvlocal.runtime import Context, Model  # noqa: E402
 from kvlocal.runtime.state import read_seq  # noqa: E402
+from kvlocal.runtime.weights import output_projections  # noqa: E402
 from kvlocal.verify import sample_text  # noqa: E402
 
 NGL = int(os.environ.get("KVLOCAL_TEST_NGL", "0"))
