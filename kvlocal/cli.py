@@ -52,9 +52,9 @@ def cmd_doctor(args) -> int:
         from .compress import NATIVE_METHODS
         from .runtime.library import has_native_compression
 
-        rows.append(("compression", f"native backend (on the cache's device): {', '.join(sorted(NATIVE_METHODS - {'full'}))}; "
-                     "state backend: every method" if has_native_compression() else
-                     "state backend only (K/V read to the host): this runtime lacks patches 0010-0011"))
+        rows.append(("native", f"compression on the cache's device (--backend native): {', '.join(sorted(NATIVE_METHODS - {'full'}))}"
+                     if has_native_compression() else
+                     "not available (patches 0010-0012): compression reads K/V to the host (--backend state)"))
     except UsageError as e:
         rows.append(("runtime", f"NOT AVAILABLE: {e}"))
         problems += 1
