@@ -163,9 +163,9 @@ class Repl:
                        f"{e.end_tokens:,} end-of-reply), {s.kv_tokens_kept:,} kept"),
             ("KV memory", f"{s.kv_bytes / mib:,.1f} MiB (K {self.chat.settings.cache_type_k}, V {self.chat.settings.cache_type_v}); "
                           f"a full cache for {s.tokens_seen:,} tokens: {s.kv_bytes_full / mib:,.1f} MiB"),
-            ("compression", f"{e.backend} backend ({e.host_kv_bytes / mib:,.1f} MiB of K/V copied to the host), "
-                            f"{s.compression_events} events, {e.compression_seconds:.2f} s"
-                            + "".join(f", {k} {v:.2f} s" for k, v in e.compression_breakdown.items())),
+            ("compression", f"{s.compression_events} events, {e.compression_seconds:.2f} s"
+                            + "".join(f", {k} {v:.2f} s" for k, v in e.compression_breakdown.items())
+                            + f"; {e.backend} backend, {e.host_kv_bytes / mib:,.1f} MiB of K/V copied to the host"),
             ("speed", f"last turn: prompt {s.prompt_tokens_per_s:,.1f} t/s, gen {s.gen_tokens_per_s:,.1f} t/s; "
                       f"all: read {e.prefill_seconds:.1f} s, generate {e.decode_seconds:.1f} s"),
             ("positions", f"moved back under the trained {self.chat.model.n_ctx_train:,} {s.repositions} times"),
