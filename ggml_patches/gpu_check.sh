@@ -16,7 +16,8 @@
 #      backend, fully offloaded, against the full cache: milliseconds per compression event, TTFT with and
 #      without compression, decode tokens/s, KV bytes. STATE=1 adds the state backend (K/V over PCIe).
 # Needs: nvcc and cuBLAS (the CUDA toolkit), CMake, a C++ compiler, Python 3 with numpy, jinja2, tqdm and
-# pytest (a stock CUDA/PyTorch image has them); nothing is downloaded. Budget: under 10 minutes on 16 cores.
+# pytest (a stock CUDA/PyTorch image has them); nothing is downloaded. Aimed at under 10 minutes on 16 cores
+# (FA off for that); not yet timed: no GPU was available to this project.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
