@@ -18,7 +18,7 @@ from pathlib import Path
 from kvlocal.engine import Engine
 from kvlocal.models import resolve
 from kvlocal.runtime import Model
-from kvlocal.sampling import Sampler
+from kvlocal.runtime import Sampler
 
 QUESTION = "\n\nSummarize the conditions of this license in detail, point by point.\n"
 

@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name):  # kvlocal.Chat without loading llama.cpp on `import kvlocal`
     if name in ("Chat", "ChatStats", "ChatSettings"):
-        from . import chat
+        from kvlocal import chat
 
         return getattr(chat, name)
     raise AttributeError(f"module 'kvlocal' has no attribute {name!r}")

@@ -1,11 +1,27 @@
-"""Shared fixtures. Tests run the real llama.cpp on real GGUF files: the known models are pulled into
-the user cache on first use (the same path `kvlocal chat` takes), so the suite needs the network once.
-A model that cannot be had skips the tests that need it, with the reason — except under CI
-(CI=true), where it fails them: CI must run everything."""
+"""Shared fixtures, and the one test policy of this suite.
+
+The policy — every test file follows it:
+
+1. **Real parts.** Tests run the real llama.cpp on real GGUF files: the known models (pulled into the
+   user cache on first use, the same path `kvlocal chat` takes, so the suite needs the network once) and
+   tiny models the tests generate with the ``gguf`` package (``tests/reference/tiny_gguf.py``). Mechanics
+   run on the tiny models; a few end-to-end tests run on the real ones.
+2. **Needs skip locally and fail under CI.** Anything a test needs — a model (:func:`pulled`), an extra
+   package like ``openai`` or ``torch`` (:func:`need`) — skips the test with the reason on a developer's
+   machine and **fails it under ``CI=true``**, where everything must run. No ``pytest.importorskip``.
+3. **No wall-clock assertions.** A test asserts events, counts, or ratios measured side by side in one
+   run — never a number of seconds (machines differ, and a busy one is 2-4x slower).
+4. **Every wait is bounded**: a subprocess has a ``timeout``, a polling loop a deadline.
+5. **Every test can fail**: it asserts what it proves (a test that only checks that nothing raises
+   proves nothing), and a new method, backend or tier gets a negative control that must lose.
+6. **One set of model fixtures**, here: each real model is pulled and loaded once per session
+   (``smollm2``/``smollm2_model``, ``qwen``/``qwen_model``, ``gemma3``/``gemma3_model``).
+"""
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import subprocess
 import sys
@@ -17,16 +33,37 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _pulled(name: str) -> Path:
+def under_ci() -> bool:
+    return os.environ.get("CI", "").lower() == "true"
+
+
+def missing(reason: str):
+    """Policy 2: skip with the reason locally, fail under CI."""
+    if under_ci():
+        pytest.fail(f"{reason} (CI=true: everything must run)")
+    pytest.skip(reason)
+
+
+def need(module: str, extra: str = "test"):
+    """Import an optional package a test needs (``openai``, ``torch``), or skip/fail by policy 2."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        missing(f"{module} is not installed ({e}): pip install -e '.[{extra}]'")
+
+
+def pulled(name: str) -> Path:
+    """A known model's file, pulled into the model cache on first use (skip/fail by policy 2)."""
     from kvlocal.errors import UsageError
     from kvlocal.models import pull
 
     try:
         return pull(name, quiet=True)
     except UsageError as e:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"{name} cannot be had under CI: {e}")
-        pytest.skip(f"{name} cannot be had: {e}")
+        missing(f"{name} cannot be had: {e}")
+
+
+_pulled = pulled
 
 
 @pytest.fixture(scope="session")

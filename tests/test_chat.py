@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO, assert_usage_error, run_cli
-from kvlocal import Chat, saved
+from kvlocal import Chat
+from kvlocal.chat import saved
 from kvlocal.errors import UsageError
 
 sys.path.insert(0, str(Path(__file__).parent / "reference"))
@@ -164,11 +165,11 @@ def test_saved_merged_and_sliding_window_sessions_reload(request, tmp_path, mode
     with Chat(model, budget=256, method=method, cache_type_k=cache, cache_type_v=cache) as chat:
         chat.read(LICENSE[:5000], name="license")
         chat.save(tmp_path / "s.kvl")
-        counts = chat.engine._slot_count.copy()
+        counts = chat.engine.kv.record.count.copy()
         expected = chat.ask(Q2, 12)
     if method == "kvslimmer":
         assert counts.max() > 1  # the file holds merged slots
     with Chat.load(tmp_path / "s.kvl", model=model) as chat:
         assert chat.settings.cache_type_k == chat.settings.cache_type_v == cache
-        assert np.array_equal(chat.engine._slot_count, counts)
+        assert np.array_equal(chat.engine.kv.record.count, counts)
         assert chat.ask(Q2, 12) == expected

@@ -17,9 +17,9 @@ import pytest
 
 from kvlocal.engine import Engine
 from kvlocal.runtime import Model
-from kvlocal.sampling import Sampler
-from kvlocal.session import ChatSession
-from kvlocal.verify import sample_text
+from kvlocal.runtime import Sampler
+from kvlocal.chat.session import ChatSession
+from kvlocal.eval.tasks import sample_text
 
 BUDGET = 256
 TURNS = [

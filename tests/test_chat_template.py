@@ -151,8 +151,8 @@ def text_of(model: Model, tokens) -> str:
 
 def test_session_appends_only_the_new_turn_when_the_template_rewrites_earlier_ones(smollm2):
     from kvlocal.engine import Engine
-    from kvlocal.sampling import Sampler
-    from kvlocal.session import ChatSession
+    from kvlocal.runtime import Sampler
+    from kvlocal.chat.session import ChatSession
 
     model = Model(smollm2)
     ct._templates[model] = ct.ChatTemplate("cuts-replies", CUTS_REPLIES, "chatml")

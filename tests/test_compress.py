@@ -26,7 +26,7 @@ from kvlocal.compress import (
     projected_value_norms,
     select,
 )
-from kvlocal import kernels
+from kvlocal.compress import kernels
 from kvlocal.compress.base import native_scoring
 from kvlocal.errors import UsageError
 from kvlocal.reference import compress as ref

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvlocal import kernels
+from kvlocal.compress import kernels
 from kvlocal.compress import (
     AdaKV,
     CriticalKV,
@@ -32,7 +32,7 @@ from kvlocal.compress import (
     method_params,
     plan_layers,
 )
-from kvlocal.compress import numpy_ref
+from kvlocal.compress import numpy_kernels
 from kvlocal.compress.base import window_votes
 from kvlocal.compress.evict_merge import evict_budget
 from kvlocal.errors import UsageError
@@ -481,7 +481,7 @@ def test_greedy_pairs_kernel_matches_numpy(seed):
         mass = rng.random(m).astype(np.float32)
         mass[rng.random(m) < 0.3] = 0.5  # ties
         for n_pairs in (0, 1, m // 3, m // 2, m):
-            np.testing.assert_array_equal(kernels.greedy_pairs(mass, n_pairs), numpy_ref.greedy_pairs(mass, n_pairs))
+            np.testing.assert_array_equal(kernels.greedy_pairs(mass, n_pairs), numpy_kernels.greedy_pairs(mass, n_pairs))
             assert kernels.greedy_pairs(mass, n_pairs).tolist() == ref.select_pairs(torch.from_numpy(mass), n_pairs).tolist()
     mass = np.array([5.0, 1, 1, 5, 2, 2, 9])  # pair masses [6, 2, 6, 7, 4, 11]
     assert kernels.greedy_pairs(mass, 3).tolist() == [1, 4]  # every other pair overlaps (1,2) or (4,5)

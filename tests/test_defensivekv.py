@@ -11,7 +11,7 @@ stage 2 (risk x value norm) and the prior correction something to decide.
 import numpy as np
 import pytest
 
-from kvlocal import kernels
+from kvlocal.compress import kernels
 from kvlocal.compress import CriticalKV, DefensiveKV, LayerInputs, SnapKV, make_scorer
 from kvlocal.compress.base import native_scoring
 from kvlocal.compress.criticalkv import projected_value_norms
@@ -221,7 +221,7 @@ def test_engine_compresses_and_generates(smollm2_model):
     with the sinks and the recent window, heads keep different sets, the value norms were computed (W_O
     reached the scorer), the sets differ from CriticalKV's, and the reply is the full cache's for a while."""
     from kvlocal.engine import Engine
-    from kvlocal.verify import sample_text
+    from kvlocal.eval.tasks import sample_text
 
     tokens = smollm2_model.tokenize(sample_text())[:400]
     n_gen = 12
@@ -240,7 +240,7 @@ def test_engine_compresses_and_generates(smollm2_model):
     assert np.all(p[:, :, :N_SINK] == np.arange(N_SINK))
     assert np.all(p[:, :, -WINDOW:] == np.arange(len(tokens) - WINDOW, len(tokens)))
     assert any(not np.array_equal(p[i, 0], p[i, h]) for i in range(p.shape[0]) for h in range(1, p.shape[1]))
-    assert np.isfinite(eng._slot_vnorm).any(), "no projected value norm was computed: W_O did not reach the scorer"
+    assert np.isfinite(eng.kv.record.vnorm).any(), "no projected value norm was computed: W_O did not reach the scorer"
 
     crit, crit_reply = run("criticalkv")
     c = crit.prompt_plan.positions

@@ -41,8 +41,9 @@ from kvlocal.compress import CriticalKV, LayerInputs, Plan, SnapKV, projected_va
 from kvlocal.engine import AGNOSTIC_PROBE, Budget, Engine
 from kvlocal.errors import UsageError
 from kvlocal.runtime.llama import kv_cache_bytes
-from kvlocal.sampling import Sampler
-from kvlocal.verify import compare_logits, sample_text
+from kvlocal.runtime import Sampler
+from kvlocal.eval.metrics import compare_logits
+from kvlocal.eval.tasks import sample_text
 
 THREADS = 1  # llama.cpp threads: the machine is small and shared
 N_PROMPT = 600  # tokens of sample.txt in the reference comparison
@@ -128,9 +129,10 @@ class RecordingEngine(Engine):
         self.phase = "decode"
         yield from super().generate(*args, **kwargs)
 
-    def _true_positions(self, cell_pos):
-        self._scored_cells = np.array(cell_pos, copy=True)
-        return super()._true_positions(cell_pos)
+    def _read(self):
+        read = super()._read()
+        self._scored_cells = np.array(read.pos, copy=True)
+        return read
 
     def _compress(self, *args, **kwargs):
         probe = list(args[0] if args else kwargs["probe"])
@@ -219,7 +221,7 @@ def run(smollm2_model, prompt):
                           window=WINDOW, n_sink=N_SINK, n_threads=THREADS, inputs_of=(INPUTS_EVENT,))
     logits0 = eng.prefill(prompt, probe=prompt[-WINDOW:])
     after_prefill = dict(n_past=eng.n_past, pos_max=eng.ctx.pos_max(), cells=cells(eng), stats=copy.deepcopy(eng.stats),
-                         plan=eng.last_plan, slot_true=eng._slot_true.copy(), n_events=len(eng.events))
+                         plan=eng.last_plan, slot_true=eng.kv.record.true.copy(), n_events=len(eng.events))
     sampler = Forced()
     generated = list(eng.generate(N_DECODE, sampler, stop_at_eog=False))
     logits = np.stack(sampler.logits + [eng.logits])  # after the prompt, then after each generated token
@@ -529,7 +531,7 @@ def test_eviction_on_a_quantized_cache_scores_in_the_rotated_basis(smollm2_model
     assert q8_reply[:3] == f16_reply[:3]
 
     merged, _ = plan_of("kvslimmer", type_k=8, type_v=8)
-    assert (merged._slot_count > 1).any()
+    assert (merged.kv.record.count > 1).any()
 
 
 @pytest.fixture(scope="module")

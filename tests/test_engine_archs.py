@@ -34,7 +34,7 @@ scorer read (at their true positions, per KV head) and the probe's queries (with
 scale) are the reference's, and the engine's scorer given the reference's arrays keeps the same rows.
 
 A tiny llama file with ``llama.attention.scale`` shows that the pinned llama.cpp ignores that key for
-``llama`` and that kvlocal.arch (the reference, the engine's scorers) follows llama.cpp.
+``llama`` and that kvlocal.models.arch (the reference, the engine's scorers) follows llama.cpp.
 
 Sizes are tiny (n_embd 128, 4-6 layers, vocabulary 320, F32 weights): the file runs in well under a
 minute of CPU. Note that llama.cpp pads n_ctx to 256 cells, so with BUDGET = 64 a chunk fills the
@@ -63,7 +63,8 @@ import tiny_gguf  # noqa: E402
 
 from kvlocal.compress import LayerInputs, Plan  # noqa: E402
 from kvlocal.engine import Engine  # noqa: E402
-from kvlocal.verify import compare_logits, sample_text  # noqa: E402
+from kvlocal.eval.metrics import compare_logits
+from kvlocal.eval.tasks import sample_text  # noqa: E402
 from replay import replay  # noqa: E402
 
 THREADS = 1
@@ -135,9 +136,10 @@ class RecordingEngine(Engine):
         self.phase = "decode"
         yield from super().generate(*args, **kwargs)
 
-    def _true_positions(self, cell_pos):
-        self._held = super()._true_positions(cell_pos)
-        return self._held
+    def _read(self):
+        read = super()._read()
+        self._held = read.true
+        return read
 
     def _compress(self, *args, **kwargs):
         super()._compress(*args, **kwargs)
@@ -484,7 +486,7 @@ def test_table(runs):
 @functools.lru_cache(maxsize=None)
 def _scaled_llama(folder: Path) -> dict:
     """A tiny llama file with ``llama.attention.scale = 0.25`` (1/sqrt(32) = 0.177 without it): llama.cpp's
-    logits over 300 tokens (F32 cache) against the reference as kvlocal.arch describes the file, and against
+    logits over 300 tokens (F32 cache) against the reference as kvlocal.models.arch describes the file, and against
     the reference at 1/sqrt(head_dim)."""
     import torch
 

@@ -6,8 +6,8 @@ Every instruction-set variant this CPU supports (generic, AVX2, AVX-512) is chec
 import numpy as np
 import pytest
 
-from kvlocal import kernels
-from kvlocal.compress import numpy_ref
+from kvlocal.compress import kernels
+from kvlocal.compress import numpy_kernels
 
 _BEST = kernels.simd_level()
 LEVELS = kernels.SIMD_LEVELS[: kernels.SIMD_LEVELS.index(_BEST) + 1]
@@ -42,7 +42,7 @@ def window_case(seed, hkv, group, w, n, d, bias=False, per_head_pos=False, q_pos
 def test_window_votes_matches_numpy(level, hkv, group, w, n, d):
     q, q_pos, k, pos, _ = window_case(n + d, hkv, group, w, n, d)
     got = kernels.window_votes(q, q_pos, k, pos)
-    want = numpy_ref.window_votes(q, q_pos, k, pos)
+    want = numpy_kernels.window_votes(q, q_pos, k, pos)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
 
 
@@ -51,7 +51,7 @@ def test_window_votes_bias_per_head_positions_and_empty_cells(level):
     pos = pos.copy()
     pos[1, [3, 10]] = -1  # empty rows: never visible
     got = kernels.window_votes(q, q_pos, k, pos, b)
-    want = numpy_ref.window_votes(q, q_pos, k, pos, b)
+    want = numpy_kernels.window_votes(q, q_pos, k, pos, b)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
     assert np.all(got[3:6, [3, 10]] == 0)
 
@@ -69,7 +69,7 @@ def test_window_votes_extreme_logits_and_shapes(level):
     q, q_pos, k, pos, _ = window_case(11, 2, 2, 4, 40, 8, q_pos=[100, 100, 100, 100])
     q *= 60  # logit gaps far beyond exp's range: probabilities 0 / 1 without NaN
     got = kernels.window_votes(q, q_pos, k, pos)
-    np.testing.assert_allclose(got, numpy_ref.window_votes(q, q_pos, k, pos), rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(got, numpy_kernels.window_votes(q, q_pos, k, pos), rtol=2e-5, atol=1e-7)
     assert np.isfinite(got).all()
     assert kernels.window_votes(q[:, :0], np.zeros(0), k, pos).shape == (4, 40)
     with pytest.raises(ValueError):
@@ -84,11 +84,11 @@ def test_vnorm_l1_matches_numpy(level, n, d, n_head, group, big_d):
     v = rng.standard_normal((n, d)).astype(np.float32)
     wo = (rng.standard_normal((big_d, n_head * d)) * 0.1).astype(np.float32)
     for first in range(0, n_head, group):  # every group's slice of W_O, read in place
-        np.testing.assert_allclose(kernels.vnorm_l1(v, wo, first, group), numpy_ref.vnorm_l1(v, wo, first, group),
+        np.testing.assert_allclose(kernels.vnorm_l1(v, wo, first, group), numpy_kernels.vnorm_l1(v, wo, first, group),
                                    rtol=2e-5)
     rows = rng.permutation(n)[: max(1, n // 3)]
     np.testing.assert_allclose(kernels.vnorm_l1(v, wo, n_head - group, group, rows),
-                               numpy_ref.vnorm_l1(v, wo, n_head - group, group, rows), rtol=2e-5)
+                               numpy_kernels.vnorm_l1(v, wo, n_head - group, group, rows), rtol=2e-5)
 
 
 def test_vnorm_l1_is_the_l1_norm_of_the_projection(level):
@@ -104,7 +104,7 @@ def test_vnorm_l1_rows_edge_cases(level):
     v = rng.standard_normal((10, 4)).astype(np.float32)
     wo = rng.standard_normal((6, 12)).astype(np.float32)
     assert kernels.vnorm_l1(v, wo, 0, 3, np.zeros(0, np.int64)).shape == (0,)
-    np.testing.assert_allclose(kernels.vnorm_l1(v, wo, 1, 2, [9, 9, 0]), numpy_ref.vnorm_l1(v, wo, 1, 2, [9, 9, 0]),
+    np.testing.assert_allclose(kernels.vnorm_l1(v, wo, 1, 2, [9, 9, 0]), numpy_kernels.vnorm_l1(v, wo, 1, 2, [9, 9, 0]),
                                rtol=2e-5)
     with pytest.raises(ValueError):
         kernels.vnorm_l1(v, wo, 0, 1, [10])

@@ -5,7 +5,7 @@ import hashlib
 import pytest
 
 from conftest import run_cli
-from kvlocal import models
+from kvlocal.models import registry as models
 from kvlocal.errors import UsageError
 
 

@@ -23,7 +23,8 @@ from kvlocal.runtime import Context, Model
 from kvlocal.runtime import state as state_mod
 from kvlocal.runtime.llama import kv_cache_bytes
 from kvlocal.runtime.state import CacheLost, read_seq, write_seq
-from kvlocal.verify import compare_logits, sample_text
+from kvlocal.eval.metrics import compare_logits
+from kvlocal.eval.tasks import sample_text
 
 THREADS = 2
 
@@ -265,7 +266,7 @@ def test_decode_time_events_are_scored_by_the_question_and_the_reply(smollm2_mod
 def test_wo_cache_is_bounded_and_reported(smollm2, smollm2_model, prose):
     """CriticalKV's dequantized W_O is kept per layer in a bounded LRU cache; the engine reports its bytes."""
     from kvlocal.runtime.weights import OutputProjections
-    from kvlocal.gguf_file import dequantize_tensor, read_gguf
+    from kvlocal.models.gguf_file import dequantize_tensor, read_gguf
 
     one = 576 * 576 * 4  # SmolLM2: W_O is [576, 576] float32
     wo = OutputProjections(str(smollm2), max_bytes=3 * one)

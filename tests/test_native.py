@@ -3,7 +3,7 @@
 In the spirit of llama.cpp's ``test-backend-ops``, each new operation runs on the real runtime against an
 independent implementation on the host: ``llama_kv_compact`` against the rows the state backend reads
 before and after (K and both V layouts, F32/F16/BF16 caches, rows left empty), ``llama_kv_score`` against
-:mod:`kvlocal.compress.numpy_ref` on the same K/V rows read through the state (window attention with a
+:mod:`kvlocal.compress.numpy_kernels` on the same K/V rows read through the state (window attention with a
 ``log(count)`` / ``-inf`` bias, projected value norms through the model's own quantized ``attn_output``).
 Then the whole engine: the native and state backends on the same model and prompt keep identical sets
 on tiny F32 models of every architecture (Gemma 3's iSWA cache included), and on SmolLM2 Q4_1 a mean
@@ -27,13 +27,13 @@ sys.path.insert(0, str(Path(__file__).parent / "reference"))  # tiny_gguf
 import tiny_gguf  # noqa: E402
 
 from conftest import assert_usage_error, run_cli  # noqa: E402
-from kvlocal.compress import numpy_ref  # noqa: E402
+from kvlocal.compress import numpy_kernels  # noqa: E402
 from kvlocal.engine import Engine  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
 from kvlocal.runtime import Context, Model  # noqa: E402
 from kvlocal.runtime.state import read_seq  # noqa: E402
 from kvlocal.runtime.weights import output_projections  # noqa: E402
-from kvlocal.verify import sample_text  # noqa: E402
+from kvlocal.eval.tasks import sample_text  # noqa: E402
 
 NGL = int(os.environ.get("KVLOCAL_TEST_NGL", "0"))
 THREADS = 2
@@ -108,7 +108,7 @@ def test_compact_refuses_a_quantized_cache_and_bad_indices(smollm2_model):
 @FA
 def test_score_matches_numpy_on_the_same_rows(smollm2_model, fa):
     """Window attention (with a log(count) and a -inf bias) and projected value norms (W_O Q4_1,
-    dequantized on the device) against numpy_ref on the rows read through the state."""
+    dequantized on the device) against numpy_kernels on the rows read through the state."""
     model = smollm2_model
     ctx = filled_context(model, fa)
     kv = read_seq(ctx)
@@ -122,11 +122,11 @@ def test_score_matches_numpy_on_the_same_rows(smollm2_model, fa):
     wo = output_projections(str(model.path))
     for i, il in enumerate(model.arch.full_layers):
         k, v = (a[i].transpose(1, 0, 2).astype(np.float32) for a in (kv.k, kv.v))
-        ref = numpy_ref.window_votes(q[i], np.full(8, 10**6), k, kv.pos, bias[i])
+        ref = numpy_kernels.window_votes(q[i], np.full(8, 10**6), k, kv.pos, bias[i])
         np.testing.assert_allclose(attn[i], ref, atol=1e-6)
         assert np.all(attn[i][:, 5] == 0)
         for h in range(hkv):
-            ref = numpy_ref.vnorm_l1(v[h], wo[il], h * (hq // hkv), hq // hkv, cells)
+            ref = numpy_kernels.vnorm_l1(v[h], wo[il], h * (hq // hkv), hq // hkv, cells)
             np.testing.assert_allclose(norms[i, h], ref, rtol=1e-5)
 
 

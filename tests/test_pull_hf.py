@@ -21,7 +21,7 @@ import pytest
 
 from conftest import assert_usage_error, run_cli
 from kvlocal.errors import UsageError
-from kvlocal.hub import HubSpec, parse, pick
+from kvlocal.models.hub import HubSpec, parse, pick
 
 sys.path.insert(0, str(Path(__file__).parent / "reference"))
 import tiny_gguf  # noqa: E402

@@ -226,7 +226,7 @@ def _statuses(t: Term) -> int:
 
 def test_session(term, smollm2, tmp_path):
     """One sitting: a question, a document read and asked about, multi-line messages, the commands."""
-    from kvlocal import saved
+    from kvlocal.chat import saved
 
     doc = _document(tmp_path)
     t = term(str(smollm2), "--budget", "256", "-n", "24")
@@ -313,7 +313,7 @@ def test_session(term, smollm2, tmp_path):
 def test_ctrl_c_stops_a_reply_and_keeps_it(term, smollm2, tmp_path):
     """Ctrl-C during a reply stops it and keeps it; during a /read it cancels it; at the prompt it drops the
     line; Ctrl-D exits."""
-    from kvlocal import saved
+    from kvlocal.chat import saved
 
     t = term(str(smollm2), "--budget", "256", "-n", "400")
     t.prompt()

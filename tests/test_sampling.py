@@ -5,7 +5,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from kvlocal.sampling import Sampler, SamplerParamError
+from kvlocal.runtime import Sampler, SamplerParamError
 
 # p = 1/2, 1/4, 1/8, ... over the first tokens, the rest far below
 HALVING = np.full(1000, -30.0, dtype=np.float32)

@@ -1,8 +1,10 @@
 """`kvlocal serve`: real HTTP on a loopback port, the real llama.cpp on smollm2-135m.
 
 One server process serves the module (budget 256 cells); a second one checks --api-key, a third the
-warning for a public address and Ctrl-C. The failure path (an exception inside generation) runs an
-in-process server whose chats are made to fail."""
+warning for a public address and Ctrl-C. What needs the worker's inside runs an in-process server (the
+same app on uvicorn, on a thread): the failure path (an exception inside generation), /health and a
+second client while a reply is held mid-way, and a client that leaves while its long message is read.
+Waits are bounded by WAIT seconds; no test asserts a duration (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -20,16 +22,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, need
 
 try:
     import httpx
-except ImportError:  # the `openai` client's own HTTP library (a fork with httpx's API)
+except ImportError:  # huggingface_hub's and the `openai` client's HTTP library (a fork with httpx's API)
     import httpx2 as httpx
 
-openai = pytest.importorskip("openai")
-
 MODEL = "smollm2-135m"
+WAIT = 120  # the bound on every wait for the server (seconds); never an assertion on how long something took
 GERMANY = [{"role": "user", "content": "What is the capital of Germany?"}]
 JAPAN = [{"role": "user", "content": "What is the capital of Japan?"}]
 
@@ -100,16 +101,22 @@ def server(smollm2, tmp_path_factory):
     s.stop()
 
 
+def _url(server) -> str:
+    """The base URL of a Server, or the URL itself (the in-process server)."""
+    return server if isinstance(server, str) else server.url
+
+
 def chat(server, messages, timeout=300, **params) -> dict:
-    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, **params}, timeout=timeout)
+    r = httpx.post(_url(server) + "/v1/chat/completions", json={"messages": messages, **params}, timeout=timeout)
     assert r.status_code == 200, r.text
     return r.json()
 
 
-def chat_stream(server, messages, **params) -> list[dict]:
-    """The SSE events of a streamed completion, as JSON; the last one is the string "[DONE]"."""
+def chat_stream(server, messages, on_event=None, **params) -> list[dict]:
+    """The SSE events of a streamed completion, as JSON; the last one is the string "[DONE]".
+    ``on_event(event)`` is called with each as it arrives."""
     events = []
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json={"messages": messages, "stream": True, **params},
+    with httpx.stream("POST", _url(server) + "/v1/chat/completions", json={"messages": messages, "stream": True, **params},
                       timeout=300) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -117,6 +124,8 @@ def chat_stream(server, messages, **params) -> list[dict]:
             if line.startswith("data: "):
                 data = line[len("data: "):]
                 events.append(data if data == "[DONE]" else json.loads(data))
+                if on_event is not None:
+                    on_event(events[-1])
     return events
 
 
@@ -189,6 +198,7 @@ def test_greedy_stream_equals_non_stream(server):
 
 
 def test_openai_client(server):
+    openai = need("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list()] == [MODEL]
     r = client.chat.completions.create(model=MODEL, messages=GERMANY, max_tokens=24, temperature=0)
@@ -241,33 +251,6 @@ def test_bad_requests_then_serving_on(server):
     assert "Berlin" in r["choices"][0]["message"]["content"]
 
 
-def test_two_clients_at_once_and_health_stays_free(server):
-    latencies, stop = [], threading.Event()
-
-    def poll():
-        while not stop.is_set():
-            t = time.perf_counter()
-            h = server.health()
-            if h["busy"]:
-                latencies.append(time.perf_counter() - t)
-            time.sleep(0.05)
-
-    poller = threading.Thread(target=poll)
-    poller.start()
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            a = pool.submit(chat, server, GERMANY, max_tokens=32, cache_prompt=False)
-            b = pool.submit(chat_stream, server, JAPAN, max_tokens=32, cache_prompt=False)
-            germany, italy = a.result(), b.result()
-    finally:
-        stop.set()
-        poller.join()
-    assert "Berlin" in germany["choices"][0]["message"]["content"]
-    assert "Tokyo" in streamed_text(italy)
-    assert latencies, "/health never answered while a reply was generated"
-    assert max(latencies) < 2.0, latencies  # the event loop is not the worker
-
-
 @pytest.mark.slow  # two reads of a 2K-token message: 1-2 minutes on 2 busy cores
 def test_follow_up_reuses_the_compressed_cache(server):
     prose = (REPO / "kvlocal/data/sample.txt").read_text() + "\n" + (REPO / "kvlocal/data/gpl-3.0.txt").read_text()[:4000]
@@ -283,14 +266,21 @@ def test_follow_up_reuses_the_compressed_cache(server):
     t = time.perf_counter()
     fresh = chat(server, follow, max_tokens=8, cache_prompt=False)
     t_fresh = time.perf_counter() - t
-    print(f"\nfollow-up to a {r1['usage']['prompt_tokens']}-token message: {t_reused:.2f} s reusing the compressed "
-          f"cache ({reused['usage']['prompt_tokens']} prompt tokens read), {t_fresh:.2f} s as a fresh conversation "
-          f"({fresh['usage']['prompt_tokens']} prompt tokens read)")
+    n1, n_reused, n_fresh = (x["usage"]["prompt_tokens"] for x in (r1, reused, fresh))
+    # measured, not asserted (docs/server.md quotes it): the assertions below are on tokens
+    print(f"\nfollow-up to a {n1}-token message: {t_reused:.2f} s reusing the compressed cache ({n_reused} prompt "
+          f"tokens read), {t_fresh:.2f} s as a fresh conversation ({n_fresh} prompt tokens read)")
+    # the server says how it found each conversation: the follow-up continued the cached one, the other did not
     assert reused["kv"]["cache_reused"] is True and fresh["kv"]["cache_reused"] is False
-    assert reused["kv"]["tokens_reused"] == r1["kv"]["tokens_seen"]
-    assert reused["usage"]["prompt_tokens"] * 10 < fresh["usage"]["prompt_tokens"]
+    assert reused["kv"]["tokens_reused"] == r1["kv"]["tokens_seen"] and fresh["kv"]["tokens_reused"] == 0
+    log = server.log()
+    assert f"continue · {n_reused:,} prompt + " in log and f"new · {n_fresh:,} prompt + " in log, log
+    # what it decoded was the new message only: the fresh read is the first request's prompt, the reply and
+    # the same new message; the reused read left out the first two
+    history = n_fresh - n_reused - n1  # the reply as the fresh read tokenizes it
+    assert 0 < history <= r1["usage"]["completion_tokens"] + 2, (n1, n_reused, n_fresh, r1["usage"])
+    assert n_reused * 10 < n_fresh
     assert reused["kv"]["tokens_seen"] == r1["kv"]["tokens_seen"] + reused["usage"]["total_tokens"]
-    assert t_reused * 2 < t_fresh
 
 
 def test_client_leaving_mid_stream_stops_the_reply(server):
@@ -303,39 +293,19 @@ def test_client_leaving_mid_stream_stops_the_reply(server):
             got += line.startswith("data: ")
             if got == 4:
                 break  # leaving the block closes the connection
-    t0 = time.time()
-    while time.time() - t0 < 30:
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
         h = server.health()
         if h["served"] > before and not h["busy"]:
             break
         time.sleep(0.1)
     else:
-        raise AssertionError(f"the reply went on after the client left: {h}")
+        raise AssertionError(f"the reply did not end within {WAIT} s after the client left: {h}")
     line = [ln for ln in server.log().splitlines() if " cancelled " in ln][-1]
     completion = int(re.search(r"\+ (\d+) completion", line).group(1))
     assert completion < 400, line
     # the conversation stays cached with its partial reply; the server goes on
     assert "Berlin" in chat(server, GERMANY, max_tokens=24)["choices"][0]["message"]["content"]
-
-
-def test_client_leaving_during_a_long_read_keeps_the_conversation(server):
-    """A follow-up whose new message is long, abandoned by its client while the server reads it: the read
-    stops within a chunk, the conversation stays cached as it was, and the next follow-up reuses it."""
-    first = [{"role": "user", "content": "Remember the word 'lighthouse'. Say OK."}]
-    r1 = chat(server, first, max_tokens=4)
-    base = first + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]}]
-    long_message = (REPO / "kvlocal/data/gpl-3.0.txt").read_text()[:9000] + "\n\nSummarize this."
-    t0 = time.perf_counter()
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/chat/completions", timeout=2,
-                   json={"messages": base + [{"role": "user", "content": long_message}], "max_tokens": 4})
-    while server.health()["busy"] and time.perf_counter() - t0 < 60:
-        time.sleep(0.1)
-    stopped_after = time.perf_counter() - t0
-    print(f"\na ~2,000-token read abandoned after 2 s stopped {stopped_after:.1f} s after the request")
-    assert stopped_after < 15  # reading it whole takes ~20 s here (2 s + a chunk or two when stopped)
-    again = chat(server, base + [{"role": "user", "content": "Which word did I ask you to remember?"}], max_tokens=8)
-    assert again["kv"]["cache_reused"] is True and again["kv"]["tokens_reused"] == r1["kv"]["tokens_seen"]
 
 
 def test_startup_usage_errors(server, tmp_path):
@@ -363,9 +333,10 @@ def test_api_key(smollm2, tmp_path):
         assert httpx.get(s.url + "/health", timeout=30).status_code == 200
         r = httpx.post(url, json=body, headers={"Authorization": "Bearer sesame"}, timeout=300)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+        assert "warning" not in s.log()
+        openai = need("openai")  # the checks above do not need it
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
-        assert "warning" not in s.log()
     finally:
         s.stop()
 
@@ -381,33 +352,152 @@ def test_public_address_warns_and_ctrl_c_stops_cleanly(smollm2, tmp_path):
     assert "Traceback" not in s.log() and s.log().rstrip().endswith("kvlocal serve: stopped")
 
 
-# -- in process: the failure path and the pieces ------------------------------------------------------------
+# -- in process: the worker's inside, the failure path and the pieces ---------------------------------------
 @pytest.fixture
 def in_process(smollm2_model):
-    """An app on a Backend in this process, served by uvicorn on a thread; yields (url, backend)."""
+    """An app on a Worker in this process, served by uvicorn on a thread; yields (url, worker)."""
     import uvicorn
 
-    from kvlocal import server as srv
+    from kvlocal.server.app import create_app
+    from kvlocal.server.worker import Worker
 
-    backend = srv.Backend(smollm2_model, MODEL, chat_options=dict(budget="256", method="criticalkv", n_threads=1),
-                          defaults={}, max_tokens=16)
+    worker = Worker(smollm2_model, MODEL, chat_options=dict(budget="256", method="criticalkv", n_threads=1),
+                    defaults={}, max_tokens=16)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(srv.create_app(backend), log_level="warning", access_log=False, lifespan="off")
+    config = uvicorn.Config(create_app(worker), log_level="warning", access_log=False, lifespan="off")
     userver = uvicorn.Server(config)
     thread = threading.Thread(target=userver.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    deadline = time.monotonic() + WAIT
     while not userver.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            userver.should_exit = True
+            worker.close()
+            pytest.fail(f"the in-process server did not start within {WAIT} s")
         time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", backend
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", worker
     userver.should_exit = True
-    thread.join(30)
-    backend.close()
+    thread.join(WAIT)
+    worker.close()
+
+
+def test_two_clients_at_once_and_health_stays_free(in_process):
+    """While the worker is in the middle of a reply (held after its first piece), /health answers, the piece
+    already made reaches its client, and a second client's request waits in the queue; released, both
+    replies complete, one after the other. The event loop is not the worker."""
+    url, worker = in_process
+    make = worker.new_chat
+    held, release = threading.Event(), threading.Event()
+
+    def held_chat(system):  # the first reply stops after its first piece until the test releases it
+        chat = make(system)
+        send = chat.send
+
+        def send_held(text, max_tokens=None, progress=None):
+            for piece in send(text, max_tokens, progress):
+                yield piece
+                if not held.is_set():
+                    held.set()
+                    release.wait(WAIT)
+
+        chat.send = send_held
+        return chat
+
+    worker.new_chat = held_chat
+    first_piece = threading.Event()
+
+    def on_event(e):
+        if e != "[DONE]" and e["choices"] and e["choices"][0]["delta"].get("content"):
+            first_piece.set()
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            a = pool.submit(chat_stream, url, JAPAN, on_event=on_event, max_tokens=32)
+            assert held.wait(WAIT), "the first reply never began"
+            h = httpx.get(url + "/health", timeout=WAIT).json()
+            assert h["busy"] is True and h["served"] == 0 and h["queued"] == 0, h  # answered mid-reply
+            assert first_piece.wait(WAIT), "the piece made before the hold never reached the streaming client"
+            b = pool.submit(chat, url, GERMANY, max_tokens=32)
+            deadline = time.monotonic() + WAIT
+            while h["queued"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+                h = httpx.get(url + "/health", timeout=WAIT).json()
+            assert h["busy"] is True and h["queued"] == 1 and h["served"] == 0, h  # the second client waits
+            assert not a.done() and not b.done()
+            release.set()
+            japan, germany = a.result(WAIT), b.result(WAIT)
+    finally:
+        release.set()
+    assert "Tokyo" in streamed_text(japan)
+    assert "Berlin" in germany["choices"][0]["message"]["content"]
+    h = httpx.get(url + "/health", timeout=WAIT).json()
+    assert h["served"] == 2 and h["queued"] == 0 and h["busy"] is False, h
+
+
+def test_client_leaving_during_a_long_read_keeps_the_conversation(in_process):
+    """A follow-up whose new message is long, abandoned by its client while the server reads it: the read
+    stops at the next chunk boundary, the conversation stays cached as it was, and the next follow-up
+    reuses it. The read is held after its first chunk until the server has seen the client go, so what
+    is counted does not depend on the machine's speed."""
+    url, worker = in_process
+    make, submit = worker.new_chat, worker.submit
+    jobs, chunks, armed, reading = [], [], threading.Event(), threading.Event()
+    noticed = []  # whether the server had marked the job cancelled when the read reached its next chunk
+
+    def tracked_chat(system):  # records the chunks of a read once armed, and holds it after the first
+        chat = make(system)
+        send = chat.send
+
+        def send_tracked(text, max_tokens=None, progress=None):
+            def hook(done, total):
+                if armed.is_set():
+                    chunks.append((done, total))
+                    if len(chunks) == 1:
+                        reading.set()
+                        noticed.append(jobs[-1].cancelled.wait(WAIT))
+                if progress is not None:
+                    progress(done, total)  # the server's own check: raises once the client is gone
+            return send(text, max_tokens, hook)
+
+        chat.send = send_tracked
+        return chat
+
+    def submit_tracked(job):
+        jobs.append(job)
+        return submit(job)
+
+    worker.new_chat, worker.submit = tracked_chat, submit_tracked
+    first = [{"role": "user", "content": "Remember the word 'lighthouse'. Say OK."}]
+    r1 = chat(url, first, max_tokens=4)
+    base = first + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]}]
+    long_message = (REPO / "kvlocal/data/gpl-3.0.txt").read_text()[:9000] + "\n\nSummarize this."
+    body = json.dumps({"messages": base + [{"role": "user", "content": long_message}], "max_tokens": 4}).encode()
+    armed.set()
+    conn = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=WAIT)
+    try:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        assert reading.wait(WAIT), "the server never began to read the long message"
+    finally:
+        conn.close()  # the client leaves in the middle of the read
+    deadline = time.monotonic() + WAIT
+    while (worker.served < 2 or worker.busy) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker.served == 2 and not worker.busy, "the abandoned read did not end"
+    done, total = chunks[0]
+    print(f"\na {total:,}-token message abandoned while read: {len(chunks)} chunk ({done:,} tokens) read, then stopped")
+    assert noticed == [True], "the server did not notice the client leaving during the read"
+    assert len(chunks) == 1 and done < total, chunks  # no chunk read after the client left
+    assert len(worker.cache) == 1  # the conversation, put back as it was
+    again = chat(url, base + [{"role": "user", "content": "Which word did I ask you to remember?"}], max_tokens=8)
+    assert again["kv"]["cache_reused"] is True and again["kv"]["tokens_reused"] == r1["kv"]["tokens_seen"]
+    assert again["usage"]["prompt_tokens"] * 10 < total  # only the new message was read
 
 
 def test_generation_error_is_500_and_the_server_goes_on(in_process):
-    url, backend = in_process
-    make = backend.new_chat
+    url, worker = in_process
+    make = worker.new_chat
 
     def failing_chat(system):
         chat = make(system)
@@ -422,12 +512,12 @@ def test_generation_error_is_500_and_the_server_goes_on(in_process):
         chat.send = broken
         return chat
 
-    backend.new_chat = failing_chat
+    worker.new_chat = failing_chat
     post = lambda **body: httpx.post(url + "/v1/chat/completions", json=body, timeout=120)  # noqa: E731
     boom = [{"role": "user", "content": "Please explode."}]
     err = assert_error(post(messages=boom), 500, None, "boom in llama.cpp")
     assert err["type"] == "server_error"
-    assert backend.cache.bytes == 0 and len(backend.cache) == 0  # the failed chat was dropped
+    assert worker.cache.bytes == 0 and len(worker.cache) == 0  # the failed chat was dropped
     # streaming: the error comes after the first piece, as an error event, then [DONE]
     with httpx.stream("POST", url + "/v1/chat/completions", json={"messages": boom, "stream": True}, timeout=120) as r:
         assert r.status_code == 200
@@ -435,11 +525,11 @@ def test_generation_error_is_500_and_the_server_goes_on(in_process):
     assert data[-1] == "[DONE]" and "boom in llama.cpp" in json.loads(data[-2])["error"]["message"]
     r = post(messages=GERMANY, max_tokens=24)
     assert r.status_code == 200 and "Berlin" in r.json()["choices"][0]["message"]["content"]
-    assert len(backend.cache) == 1
+    assert len(worker.cache) == 1
 
 
 def test_conversation_cache_bounds():
-    from kvlocal.server import ConversationCache
+    from kvlocal.server.conversations import ConversationCache
 
     class Fake:
         closed = False
@@ -462,7 +552,7 @@ def test_conversation_cache_bounds():
 
 
 def test_stop_string_helpers():
-    from kvlocal.server import _find_stop, _partial_stop
+    from kvlocal.server.worker import _find_stop, _partial_stop
 
     assert _find_stop("The capital is Berlin.", ["Berlin", "is"], 0) == 12
     assert _find_stop("abc", ["x"], 0) == -1

@@ -87,10 +87,6 @@ METHODS = {
     "criticalkv+kvslimmer": _criticalkv_kvslimmer,
 }
 
-# methods whose plans need llama.cpp's per-head attention bias (patch 0006): merged slots (log(count))
-# or head budgets (-inf for a narrower head's surplus slots)
-BIAS_METHODS = frozenset({"adakv", "criticalkv+adakv", "kvslimmer", "meanmerge", "criticalkv+kvslimmer"})
-
 PARTS = {  # the classes whose hyperparameters a composed method takes
     "criticalkv": (CriticalKV, SnapKV),
     "adakv": (AdaKV, SnapKV),
@@ -126,17 +122,18 @@ def make_scorer(name: str, **params) -> Scorer:
 
 
 
-# methods that weigh entries by their value projected through W_O (Scorer.needs_wo)
+# The registry of what each method asks of the engine, derived from its scorer's capabilities
+# (kvlocal.compress.base.Scorer): read W_O, need the per-head bias, merge rows, run on the host only.
 WO_METHODS = frozenset(m for m in METHODS if make_scorer(m).needs_wo)
-
+BIAS_METHODS = frozenset(m for m in METHODS if make_scorer(m).needs_bias)
+MERGING_METHODS = frozenset(m for m in METHODS if make_scorer(m).merges)
 # The KV backends that run each method (the engine's --backend). A scorer exists up to three times:
-#   - the oracle: kvlocal.reference.compress (PyTorch, readable, the definition tests check against);
-#   - "state": these numpy/C scorers on K/V read to the host from llama.cpp's sequence state;
-#   - "native": the same scorers fed by the patched llama.cpp's on-device graphs (llama_kv_score: window
-#     votes and projected value norms; llama_kv_compact: the kept rows), so no K/V row leaves the device.
-# Native methods are the ones whose inputs those graphs compute; merging (the merged rows are computed on
-# the host) and DefensiveKV (a maximum over the window, not the mean) run on the state backend only.
-NATIVE_METHODS = frozenset({"full", "streaming", "snapkv", "criticalkv", "adakv", "criticalkv+adakv"})
+#   - the torch oracle: kvlocal.reference.compress (PyTorch, readable, the definition tests check against);
+#   - numpy + C: these scorers, on K/V the state backend reads to the host (hot loops in compress.kernels);
+#   - ggml graphs: the same scorers fed by the patched llama.cpp's on-device graphs (llama_kv_score: window
+#     votes and projected value norms; llama_kv_compact: the kept rows), so no K/V row leaves the device —
+#     for every method that reads nothing else (Scorer.host_only).
+NATIVE_METHODS = frozenset(m for m in METHODS if not make_scorer(m).host_only)
 BACKENDS = {m: ("native", "state") if m in NATIVE_METHODS else ("state",) for m in METHODS}
 
 
@@ -152,6 +149,7 @@ def observation_window(scorer: Scorer) -> int | None:
 __all__ = [
     "BACKENDS",
     "BIAS_METHODS",
+    "MERGING_METHODS",
     "NATIVE_METHODS",
     "METHODS",
     "WO_METHODS",

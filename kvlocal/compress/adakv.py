@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlocal.compress.base import LayerInputs, Scorer, select, top_cells_per_head
+from kvlocal.compress.base import LayerInputs, Scorer, group_max, select, top_cells_per_head
 from kvlocal.compress.snapkv import SnapKV
 
 
@@ -61,6 +61,7 @@ class AdaKV(Scorer):
         Cap on a head's budget, as a multiple of the uniform ``budget`` (>= 1).
     """
 
+    needs_bias = True  # not a field: a narrower head's surplus slots are masked by a -inf bias
     press: Scorer = field(default_factory=SnapKV)
     alpha_safeguard: float = 0.2
     max_share: float = 2.0
@@ -83,4 +84,4 @@ class AdaKV(Scorer):
     def keep(self, layer: LayerInputs, budget: int) -> np.ndarray:
         scores = self.press.score(layer)
         budgets = head_budgets(scores, budget, layer.pos, layer.live, self.alpha_safeguard, self.max_share)
-        return select(self.press.rerank(layer, scores, budgets), budgets, layer.pos, layer.live)
+        return select(group_max(self.press.rerank(layer, scores, budgets), layer.groups), budgets, layer.pos, layer.live)

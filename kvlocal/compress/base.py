@@ -3,7 +3,7 @@
 Every eviction method is a :class:`Scorer`: a dataclass whose fields are its hyperparameters (with
 defaults) and whose methods turn the :class:`LayerInputs` of one layer into a score per (KV head, cell),
 higher = keep. Behaviours compose by wrapping, as in kvpress: ``CriticalKV(SnapKV())``. numpy in, numpy
-out; the hot loops run in ``kvlocal._kernels`` (:mod:`kvlocal.kernels`). No torch, no llama.cpp.
+out; the hot loops run in ``kvlocal._kernels`` (:mod:`kvlocal.compress.kernels`). No torch, no llama.cpp.
 
 The contract, documented once:
 
@@ -42,8 +42,8 @@ from typing import Iterable
 
 import numpy as np
 
-from kvlocal import kernels
-from kvlocal.compress import numpy_ref
+from kvlocal.compress import kernels
+from kvlocal.compress import numpy_kernels
 from kvlocal.compress.plan import EMPTY, LayerPlan, Plan
 
 
@@ -95,6 +95,10 @@ class LayerInputs:
         ``llama_kv_score``): each query head's softmax attention over the cells, averaged over the
         observation queries ``q`` — what :func:`window_votes` returns. Attention scorers use it in place of
         computing it from ``k``.
+    groups : np.ndarray, optional
+        ``[Hkv, n]`` int: rows that are kept or dropped together share a group id (``-1``: a row on its
+        own). A grouped row ranks with the best score of its group, so a group's rows come back as one
+        span (the recall tier's pages of evicted rows, :mod:`kvlocal.recall`).
     """
 
     k: np.ndarray
@@ -109,6 +113,7 @@ class LayerInputs:
     bias: np.ndarray | None = None
     vnorm: np.ndarray | None = None
     votes: np.ndarray | None = None
+    groups: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.pos = np.asarray(self.pos, dtype=np.int64)
@@ -221,8 +226,10 @@ class LayerInputs:
         if self.bias is not None or not filled.all():
             bias = np.zeros(cells.shape, np.float32) if self.bias is None else self.bias[heads, idx]
             bias = np.where(filled, bias, -np.inf).astype(np.float32)
+        groups = None if self.groups is None else np.where(filled, self.groups[heads, idx], -1)
         return dataclasses.replace(
             self, k=rows(self.k), v=rows(self.v), pos=np.where(filled, self.pos_h[heads, idx], EMPTY), bias=bias, votes=votes,
+            groups=groups,
             vnorm=None if self.vnorm is None else np.where(filled, self.vnorm[heads, idx], np.nan).astype(np.float32))
 
 
@@ -231,7 +238,7 @@ def native_scoring() -> bool:
 
     The kernels are used where they have wide vectors (AVX2+FMA or AVX-512, chosen at run time). The
     generic build (SSE2 on x86-64, NEON on arm64) loses to numpy, whose BLAS has them: measured on
-    x86-64 with ``python -m kvlocal.compress.bench --simd generic``, 0.7-0.9x per step.
+    x86-64 with ``python -m tools.bench_kernels --simd generic``, 0.7-0.9x per step.
     """
     return kernels.simd_level() != "generic"
 
@@ -247,13 +254,13 @@ def check_window_params(window_size: int, kernel_size: int, pooling: str) -> Non
 
 
 def window_votes(q, q_pos, k, pos, bias=None) -> np.ndarray:
-    """:func:`kvlocal.kernels.window_votes`, or its numpy definition where that is faster (:func:`native_scoring`)."""
-    return (kernels.window_votes if native_scoring() else numpy_ref.window_votes)(q, q_pos, k, pos, bias)
+    """:func:`kvlocal.compress.kernels.window_votes`, or its numpy definition where that is faster (:func:`native_scoring`)."""
+    return (kernels.window_votes if native_scoring() else numpy_kernels.window_votes)(q, q_pos, k, pos, bias)
 
 
 def vnorm_l1(v, wo, first_head, n_group, rows=None) -> np.ndarray:
-    """:func:`kvlocal.kernels.vnorm_l1`, or its numpy definition where that is faster (:func:`native_scoring`)."""
-    return (kernels.vnorm_l1 if native_scoring() else numpy_ref.vnorm_l1)(v, wo, first_head, n_group, rows)
+    """:func:`kvlocal.compress.kernels.vnorm_l1`, or its numpy definition where that is faster (:func:`native_scoring`)."""
+    return (kernels.vnorm_l1 if native_scoring() else numpy_kernels.vnorm_l1)(v, wo, first_head, n_group, rows)
 
 
 def order_by_pos(pos: np.ndarray, n_kv: int, descending: bool = False) -> np.ndarray:
@@ -288,6 +295,23 @@ def top_cells_per_head(scores: np.ndarray, ks: np.ndarray, pos: np.ndarray) -> l
     return out
 
 
+def group_max(scores: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
+    """``scores`` [Hkv, n] with every grouped row (``groups >= 0``) raised to the best score of its group."""
+    if groups is None or not (groups >= 0).any():
+        return scores
+    out = np.array(scores, dtype=np.float32, copy=True)
+    for h in range(out.shape[0]):
+        g = groups[h]
+        rows = np.flatnonzero(g >= 0)
+        if not len(rows):
+            continue
+        ids, inv = np.unique(g[rows], return_inverse=True)
+        best = np.full(len(ids), -np.inf, np.float32)
+        np.maximum.at(best, inv, out[h, rows])
+        out[h, rows] = np.where(out[h, rows] == -np.inf, -np.inf, best[inv])  # an empty row stays empty
+    return out
+
+
 def select(scores: np.ndarray, budget, pos: np.ndarray, live: np.ndarray | None = None) -> np.ndarray:
     """Per-head top of ``scores`` [Hkv, n]: kept cell indices ``[Hkv, B]``, each head's sorted by position.
 
@@ -311,13 +335,40 @@ def select(scores: np.ndarray, budget, pos: np.ndarray, live: np.ndarray | None 
 
 
 class Scorer:
-    """Base class of the eviction scorers; the contract is in the module docstring."""
+    """Base class of the eviction scorers; the contract is in the module docstring.
+
+    Capabilities — what a method asks of the engine, derived from the classes (a scorer that has one says
+    so with a class attribute; a wrapper has it when a part it wraps has it). The registries in
+    :mod:`kvlocal.compress` (``WO_METHODS``, ``BIAS_METHODS``, ``NATIVE_METHODS``, ...) are computed from these.
+    """
+
+    PARTS = ("press", "merger")  # the fields of a wrapper that hold another scorer
+
+    def _parts_have(self, capability: str) -> bool:
+        return any(getattr(getattr(self, part, None), capability, False) for part in self.PARTS)
 
     @property
     def needs_wo(self) -> bool:
-        """Whether the scorer weighs entries by their value through ``W_O`` (``LayerInputs.wo``, which the
-        engine then reads from the GGUF): scorers that do say so; a wrapper needs it when what it wraps does."""
-        return any(getattr(getattr(self, part, None), "needs_wo", False) for part in ("press", "merger"))
+        """Weighs entries by their value through ``W_O`` (``LayerInputs.wo``, read from the GGUF)."""
+        return self._parts_have("needs_wo")
+
+    @property
+    def needs_bias(self) -> bool:
+        """Its plans need llama.cpp's per-head attention bias (patch 0006): merged slots (``log(count)``)
+        or heads that keep different numbers of rows (``-inf`` for the surplus slots)."""
+        return self._parts_have("needs_bias")
+
+    @property
+    def merges(self) -> bool:
+        """Its plans hold merged slots: rows that stand for several tokens."""
+        return self._parts_have("merges")
+
+    @property
+    def host_only(self) -> bool:
+        """Reads something the native backend's device graphs do not compute (``llama_kv_score`` gives the
+        window's *mean* attention and the value norms; a maximum over the window, or merged rows, need the
+        K/V on the host): runs on the state backend only."""
+        return self._parts_have("host_only")
 
     def score(self, layer: LayerInputs) -> np.ndarray:
         raise NotImplementedError
@@ -327,7 +378,8 @@ class Scorer:
 
     def keep(self, layer: LayerInputs, budget: int) -> np.ndarray:
         budgets = np.minimum(max(int(budget), 0), layer.n_live)
-        return select(self.rerank(layer, self.score(layer), budgets), budgets, layer.pos, layer.live)
+        return select(group_max(self.rerank(layer, self.score(layer), budgets), layer.groups), budgets, layer.pos,
+                      layer.live)
 
     def max_slots(self, budget: int) -> int:
         """The most slots (cells) a plan at ``budget`` may have: the budget, unless heads share it unevenly."""

@@ -16,7 +16,7 @@ def projected_value_norms(v: np.ndarray, wo: np.ndarray, n_head: int,
 
     v: [Hkv, n, d] values; wo: [D, Hq*d] (``o_proj.weight``, HF layout). Query head ``h`` reads KV head
     ``h // G`` and its slice is ``W_O^h = wo[:, h*d:(h+1)*d].T`` ([d, D]); L1 over D, then mean over the
-    G query heads (:func:`kvlocal.kernels.vnorm_l1`). ``rows[g]``: the cells of KV head ``g`` to compute
+    G query heads (:func:`kvlocal.compress.kernels.vnorm_l1`). ``rows[g]``: the cells of KV head ``g`` to compute
     (default all). Returns one float32 array per KV head, ``[len(rows[g])]`` (or ``[n]``).
     """
     hkv = v.shape[0]

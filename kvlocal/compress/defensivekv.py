@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlocal import kernels
+from kvlocal.compress import kernels
 from kvlocal.compress.base import LayerInputs, Scorer, check_window_params, order_by_pos, window_votes
 from kvlocal.compress.criticalkv import projected_value_norms
-from kvlocal.compress.numpy_ref import window_attention
+from kvlocal.compress.numpy_kernels import window_attention
 
 
 @dataclass
@@ -73,6 +73,7 @@ class DefensiveKV(Scorer):
     first_stage_mass: float = 0.9
     prior_correction: bool = True
     needs_wo = True  # not a field: stage 2 reads W_O
+    host_only = True  # a maximum over the window: the device graphs give its mean
 
     def __post_init__(self) -> None:
         check_window_params(self.window_size, self.kernel_size, self.pooling)

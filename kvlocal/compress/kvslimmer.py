@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlocal import kernels
+from kvlocal.compress import kernels
 from kvlocal.compress.base import LayerInputs, Scorer, order_by_pos, select, window_votes
 from kvlocal.compress.plan import EMPTY, LayerPlan
 
@@ -131,7 +131,7 @@ class KVSlimmer(Scorer):
     observation queries, with the rows' ``log(count)`` bias, GQA mean (:meth:`MergeState.attention`);
     candidates are the live, unprotected rows (:meth:`LayerInputs.protected`) in position order; the
     non-overlapping adjacent pairs with the smallest ``alpha_m + alpha_{m+1}`` are merged
-    (:func:`kvlocal.kernels.greedy_pairs`), keys by :meth:`pair_weights`, values by count-weighted mean,
+    (:func:`kvlocal.compress.kernels.greedy_pairs`), keys by :meth:`pair_weights`, values by count-weighted mean,
     counts summed (bias ``log(count)``), at the later member's position.
 
     Rounds: each round merges up to ``live - budget`` pairs per head, then ``alpha`` and ``o`` are
@@ -144,6 +144,9 @@ class KVSlimmer(Scorer):
     code protects 32 sinks); counts are never clipped (the code clips at 5).
     """
 
+    needs_bias = True  # not fields: merged slots carry log(count) in llama.cpp's per-head bias
+    merges = True
+    host_only = True  # the merged rows are computed from K/V on the host
     def pair_weights(self, a1, a2, v1, v2, o) -> np.ndarray:
         """Key weight of the earlier row of each pair: KVSlimmer's closed form (:func:`merge_weights`)."""
         return merge_weights(a1, a2, v1, v2, o)

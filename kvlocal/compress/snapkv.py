@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlocal import kernels
+from kvlocal.compress import kernels
 from kvlocal.compress.base import LayerInputs, Scorer, check_window_params, order_by_pos, window_votes
 
 
@@ -19,7 +19,7 @@ class SnapKV(Scorer):
 
     For every query head: softmax in fp32 (scale ``1/sqrt(d)``, causal by position) of the last
     ``window_size`` observation queries over all cells, mean over those queries
-    (:func:`kvlocal.kernels.window_votes`); restricted to the cells outside the window, pooled along
+    (:func:`kvlocal.compress.kernels.window_votes`); restricted to the cells outside the window, pooled along
     the cells *in position order* (cells are stored in any order), then averaged over the ``G`` query
     heads of each KV head. Pooling comes before the group mean, as in kvpress (the AdaKV repo reduces
     the group first; see FasterDecoding/SnapKV#22). Sinks and window cells

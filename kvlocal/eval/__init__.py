@@ -5,7 +5,7 @@
 ``perturbation`` is the CriticalKV paper's output-perturbation analysis on the PyTorch reference
 (``--perturbation``, run instead of the tasks)."""
 
-from . import command
+from kvlocal.eval import command
 
 
 def add_arguments(p) -> None:
@@ -18,7 +18,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     if getattr(args, "perturbation", False):
-        from . import perturbation
+        from kvlocal.eval import perturbation
 
         return perturbation.run(args)
     return command.run(args)

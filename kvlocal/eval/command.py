@@ -8,9 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import UsageError
-from .runner import CACHES, EVICTION, KV_BASELINES, OBSERVATIONS, execute, plan, split_method
-from .tasks import TASKS
+from kvlocal.errors import UsageError
+from kvlocal.eval.runner import CACHES, EVICTION, KV_BASELINES, OBSERVATIONS, execute, plan, split_method
+from kvlocal.eval.tasks import TASKS
 
 METHOD_CHOICES = (*EVICTION, *KV_BASELINES)
 DEFAULTS = {"models": ["smollm2-135m"], "methods": ["streaming", "snapkv", "criticalkv", *KV_BASELINES,
@@ -48,9 +48,9 @@ def _options(args) -> dict:
     base = QUICK if args.quick else DEFAULTS
     o = {k: getattr(args, k) if getattr(args, k) not in (None, []) else v for k, v in base.items()}
     _check_methods(o["methods"])
-    _check_choices("--tasks", o["tasks"], TASKS)
-    _check_choices("--observations", args.observations, OBSERVATIONS)
-    o["budgets"] = [_ratio(b) for b in o["budgets"]]
+    check_choices("--tasks", o["tasks"], TASKS)
+    check_choices("--observations", args.observations, OBSERVATIONS)
+    o["budgets"] = [budget_ratio(b) for b in o["budgets"]]
     if o["tokens"] < 200:
         raise UsageError(f"--tokens {o['tokens']} is too short: give at least 200")
     if o["items"] is not None and o["items"] < 1:
@@ -69,13 +69,13 @@ def _check_methods(given) -> None:
                              f"CACHE of {', '.join(CACHES)} (e.g. criticalkv@kv-q8_0)") from None
 
 
-def _check_choices(flag: str, given, allowed) -> None:
+def check_choices(flag: str, given, allowed) -> None:
     bad = [x for x in given if x not in allowed]
     if bad:
         raise UsageError(f"{flag}: unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
 
 
-def _ratio(text: str) -> float:
+def budget_ratio(text: str) -> float:
     try:
         b = float(text)
     except ValueError:
@@ -88,8 +88,8 @@ def _ratio(text: str) -> float:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from ..models import resolve
-    from .report import short_name, write_all
+    from kvlocal.models import resolve
+    from kvlocal.eval.report import short_name, write_all
 
     o = _options(args)
     paths = {m: resolve(m) for m in o["models"]}

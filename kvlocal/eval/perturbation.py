@@ -41,8 +41,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import UsageError
-from .tasks import Prose
+from kvlocal.errors import UsageError
+from kvlocal.eval.tasks import Prose
 
 METHODS_DEFAULT = ("streaming", "snapkv", "criticalkv")
 DEFAULTS = {"models": ["smollm2-135m"], "methods": list(METHODS_DEFAULT), "budgets": ["0.05", "0.1", "0.2", "0.4"],
@@ -79,8 +79,8 @@ class Perturbation:
     def __init__(self, model, tokens, window: int | None = None, n_sink: int | None = None):
         import torch
 
-        from ..engine import EngineConfig
-        from ..reference import prefill
+        from kvlocal.engine import EngineConfig
+        from kvlocal.reference import prefill
 
         self.model, self.args = model, model.args
         self.window = EngineConfig.window if window is None else window
@@ -114,7 +114,7 @@ class Perturbation:
         """``[Hq, w, D]``: each query head's attention output for the window over ``kv`` (layer ``il``),
         projected through its slice ``W_O^h``. Summed over the heads (plus ``o_proj``'s bias, if any) it is
         the layer's attention output."""
-        from ..reference.model import attend_window
+        from kvlocal.reference.model import attend_window
 
         attn = self.model.layers[il].attention
         a = attend_window(self.queries[il], self.q_pos, kv, attn.window)  # [Hq, w, d]
@@ -124,7 +124,7 @@ class Perturbation:
 
     def budget_cells(self, ratio: float) -> int:
         """The engine's budget for ``ratio`` of this prompt: ``max(sinks + window, ceil(ratio · n))``, at most n."""
-        from ..engine import Budget
+        from kvlocal.engine import Budget
 
         return min(Budget(ratio=ratio).cells_for(self.n, self.n_sink + self.window), self.n)
 
@@ -135,8 +135,8 @@ class Perturbation:
         import numpy as np
         import torch
 
-        from ..compress import LayerInputs, make_scorer, plan_layers
-        from ..reference.cache import LayerKV
+        from kvlocal.compress import LayerInputs, make_scorer, plan_layers
+        from kvlocal.reference.cache import LayerKV
 
         full = [self.cache[il] for il in self.layers]
 
@@ -201,9 +201,9 @@ def analyse(name: str, path: Path, methods, budgets, seed: int, n_tokens: int, d
     todo = [(m, b) for b in budgets for m in methods if key(name, m, b, seed, n_tokens) not in done]
     if not todo:
         return
-    from ..reference import Transformer
-    from ..runtime import Model
-    from .runner import model_sha256
+    from kvlocal.reference import Transformer
+    from kvlocal.runtime import Model
+    from kvlocal.eval.runner import model_sha256
 
     say = progress or (lambda text: None)
     say(f"{name}: loading the reference model")
@@ -260,7 +260,7 @@ def _ratio(a: float, b: float) -> str:
 
 def read_records(path: Path) -> list[dict]:
     """The records of a perturbation file (a torn last line, from a killed run, is ignored)."""
-    from .report import load
+    from kvlocal.eval.report import load
 
     return load(path) if path.exists() else []
 
@@ -269,8 +269,8 @@ def read_records(path: Path) -> list[dict]:
 
 def options(args) -> dict:
     """``kvlocal eval --perturbation``'s effective options, validated; task-only flags are refused."""
-    from .command import _check_choices, _ratio as budget_ratio
-    from .runner import OBSERVATIONS
+    from kvlocal.eval.command import budget_ratio, check_choices
+    from kvlocal.eval.runner import OBSERVATIONS
 
     for flag, given in (("--tasks", args.tasks), ("--items", args.items)):
         if given not in (None, []):
@@ -278,11 +278,11 @@ def options(args) -> dict:
     if list(args.observations) != list(OBSERVATIONS):
         raise UsageError("--observations does not apply to --perturbation (the prompt's own last 32 tokens "
                          "are the observation window)")
-    from ..compress import METHODS
+    from kvlocal.compress import METHODS
 
     base = QUICK if args.quick else DEFAULTS
     o = {k: getattr(args, k) if getattr(args, k) not in (None, []) else v for k, v in base.items()}
-    _check_choices("--methods", o["methods"], [m for m in METHODS if m != "full"])
+    check_choices("--methods", o["methods"], [m for m in METHODS if m != "full"])
     o["budgets"] = [budget_ratio(b) for b in o["budgets"]]
     if o["tokens"] < 200:
         raise UsageError(f"--tokens {o['tokens']} is too short: give at least 200")
@@ -301,8 +301,8 @@ def run(args) -> int:
                          "(in a checkout: pip install -e '.[reference]')") from None
     from tqdm import tqdm
 
-    from ..models import resolve
-    from .runner import done_keys
+    from kvlocal.models import resolve
+    from kvlocal.eval.runner import done_keys
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -24,14 +24,14 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from ..engine import Engine
-from ..models import cache_dir, sha256_file
-from ..runtime import Model
-from ..compress import METHODS
-from ..sampling import Sampler
-from ..session import ChatSession
-from ..verify import compare_logits
-from .tasks import CHAT_TASKS, Item, Prose, make_items, score
+from kvlocal.engine import Engine
+from kvlocal.models import cache_dir, sha256_file
+from kvlocal.runtime import Model
+from kvlocal.compress import METHODS
+from kvlocal.runtime import Sampler
+from kvlocal.chat.session import ChatSession
+from kvlocal.eval.metrics import compare_logits
+from kvlocal.eval.tasks import CHAT_TASKS, Item, Prose, make_items, score
 
 # quantized caches, K alone or K and V: ggml types (8 = q8_0, 2 = q4_0; None = F16). llama.cpp stores a
 # quantized V cache only with flash attention, which the Engine then turns on

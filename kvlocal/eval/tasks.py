@@ -22,6 +22,10 @@ from typing import Callable
 
 TEXTS = ("data/sample.txt", "data/gpl-3.0.txt")
 
+def sample_text() -> str:
+    """A few paragraphs of public-domain English prose shipped with kvlocal (Austen, Melville, Dickens)."""
+    return resources.files("kvlocal").joinpath("data/sample.txt").read_text(encoding="utf-8")
+
 
 @dataclass
 class Item:
@@ -139,7 +143,7 @@ def _door_facts(rng: random.Random, n_keys: int) -> tuple[list[str], list[str], 
 
 
 def multiturn(prose: Prose, n_tokens: int, rng: random.Random, n_keys: int = 4, n_asked: int = 3) -> list[Item]:
-    """One chat (the model's chat template, :class:`~kvlocal.session.ChatSession`): the document with four
+    """One chat (the model's chat template, :class:`~kvlocal.chat.session.ChatSession`): the document with four
     door codes is the first turn, then three of the codes are asked in turns of their own, each scoring
     the cache with its own tokens. What the first questions keep decides what the later ones can find."""
     colors, codes, facts = _door_facts(rng, n_keys)

@@ -7,9 +7,9 @@ merged and biased per head. ``kvlocal verify`` checks this model against llama.c
 torch is imported only when this package is, so the rest of kvlocal runs without it.
 """
 
-from .cache import KVCache, LayerKV, attend
-from .model import Transformer, apply_rope, attend_window, prefill, rope_angles
-from .weights import ModelArgs, load_gguf
+from kvlocal.reference.cache import KVCache, LayerKV, attend
+from kvlocal.reference.model import Transformer, apply_rope, attend_window, prefill, rope_angles
+from kvlocal.reference.weights import ModelArgs, load_gguf
 
 __all__ = [
     "KVCache", "LayerKV", "attend", "attend_window", "Transformer", "ModelArgs", "load_gguf", "prefill", "rope_angles", "apply_rope",

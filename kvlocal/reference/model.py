@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache, LayerKV, attend
-from .weights import ModelArgs, load_gguf
+from kvlocal.reference.cache import KVCache, LayerKV, attend
+from kvlocal.reference.weights import ModelArgs, load_gguf
 
 __all__ = ["ModelArgs", "Transformer", "RMSNorm", "Attention", "FeedForward", "rope_angles", "apply_rope", "prefill",
            "attend_window"]

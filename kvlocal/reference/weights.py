@@ -13,7 +13,7 @@ llama.cpp conventions that the forward pass depends on, decided here from the fi
 - ``rope_type``: llama.cpp rotates adjacent pairs ``(x[2i], x[2i+1])`` ("norm", GPT-J style) for ``llama``
   — convert_hf_to_gguf permutes the HF q/k rows so that this equals HF's half-split rotation — and
   rotates ``(x[i], x[i + d/2])`` ("neox") on unpermuted rows for ``qwen2``, ``qwen3`` and ``gemma3``.
-- head sizes, the attention scale and the sliding-window layers come from :func:`kvlocal.arch.arch_info`,
+- head sizes, the attention scale and the sliding-window layers come from :func:`kvlocal.models.arch.arch_info`,
   the one description of attention that the engine uses too.
 - ``gemma3`` (src/models/gemma3.cpp): embeddings times ``sqrtf(n_embd)``, GELU (tanh) gated FFN, norms
   after attention and FFN, sliding layers with their own RoPE base (``rope.freq_base_swa``, default
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from ..arch import arch_info, gguf_meta
-from ..errors import UsageError
-from .. import gguf_file
+from kvlocal.models.arch import arch_info, gguf_meta
+from kvlocal.errors import UsageError
+from kvlocal.models import gguf_file
 
 # architecture → how llama.cpp rotates q/k (llama_model_rope_type)
 ROPE_TYPES = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox"}
@@ -185,7 +185,7 @@ def dequantize_tensor(tensor, path: Path | None = None) -> torch.Tensor:
 
 def open_gguf(path: str | os.PathLike):
     """(path, GGUFReader) of a complete GGUF file; the reader is the process-wide one of
-    :func:`kvlocal.gguf_file.read_gguf` (parsed once), and every error message is check_gguf's."""
+    :func:`kvlocal.models.gguf_file.read_gguf` (parsed once), and every error message is check_gguf's."""
     return Path(path), gguf_file.read_gguf(path)
 
 

@@ -1,11 +1,38 @@
-"""The only place that talks to llama.cpp.
+"""The only place that talks to llama.cpp; this module is its face — import from here, not from the files.
 
-``library`` loads llama-cpp-python, checks its version and detects kvlocal's patch series;
-``llama`` wraps a model and a context with the low-level API (kvlocal runs its own decode loop,
-because ``Llama.eval`` assumes cell i = position i, which stops being true after eviction).
+- ``library``: loads llama-cpp-python, checks its version, detects kvlocal's patch series;
+- ``llama``: :class:`Model` and :class:`Context` on the low-level API (kvlocal runs its own decode loop,
+  because ``Llama.eval`` assumes cell i = position i, which stops being true after eviction);
+- ``capture``: the observation queries (:class:`QueryCapture`, an eval callback);
+- ``backend``, ``backend_state``, ``backend_native``: the two KV backends (:func:`make_backend`);
+- ``state``: llama.cpp's sequence-state format; ``kvquant``: quantized cache rows; ``weights``: W_O;
+  ``sampler``: llama.cpp's sampler chain; ``chat_template``: the GGUF's chat template.
 """
 
-from .library import REQUIRED_LLAMA_CPP_PYTHON, RuntimeInfo, runtime_info
-from .llama import Context, Model
+from kvlocal.runtime.backend import BACKEND_NAMES, CacheRead, KVBackend, RowRecord, count_bias, resolve_backend
+from kvlocal.runtime.backend_native import NativeBackend
+from kvlocal.runtime.backend_state import StateBackend
+from kvlocal.runtime.capture import QueryCapture
+from kvlocal.runtime.kvquant import CACHE_TYPES, CacheBasis, bytes_per_value, cache_type
+from kvlocal.runtime.library import (REQUIRED_LLAMA_CPP_PYTHON, RuntimeInfo, has_attention_bias, has_native_compression,
+                                     runtime_info)
+from kvlocal.runtime.llama import N_UBATCH, Context, Model, kv_cache_bytes, pad_cells
+from kvlocal.runtime.sampler import Sampler, SamplerParamError
+from kvlocal.runtime.state import CacheLost, row_format
+from kvlocal.runtime.weights import output_projections
 
-__all__ = ["REQUIRED_LLAMA_CPP_PYTHON", "RuntimeInfo", "runtime_info", "Model", "Context"]
+BACKENDS = {"native": NativeBackend, "state": StateBackend}
+
+
+def make_backend(name: str, ctx: Context, layers, n_head_kv: int, head_dim: int, basis=None, wo=None) -> KVBackend:
+    """The KV backend ``name`` (``native`` or ``state``, as :func:`resolve_backend` returns) on ``ctx``."""
+    return BACKENDS[name](ctx, layers, n_head_kv, head_dim, basis=basis, wo=wo)
+
+
+__all__ = [
+    "BACKEND_NAMES", "CACHE_TYPES", "N_UBATCH", "REQUIRED_LLAMA_CPP_PYTHON",
+    "CacheBasis", "CacheLost", "CacheRead", "Context", "KVBackend", "Model", "NativeBackend", "QueryCapture",
+    "RowRecord", "RuntimeInfo", "Sampler", "SamplerParamError", "StateBackend",
+    "bytes_per_value", "cache_type", "count_bias", "has_attention_bias", "has_native_compression", "kv_cache_bytes",
+    "make_backend", "output_projections", "pad_cells", "resolve_backend", "row_format", "runtime_info",
+]

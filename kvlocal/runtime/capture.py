@@ -40,7 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .library import llama_lib
+from kvlocal.runtime.library import llama_lib
 
 GGML_TYPE_F32 = 0
 GGML_TYPE_F16 = 1

@@ -17,8 +17,8 @@ import ctypes
 import sys
 import weakref
 
-from ..errors import UsageError
-from .library import llama_lib
+from kvlocal.errors import UsageError
+from kvlocal.runtime.library import llama_lib
 
 # general.architecture → llama.cpp built-ins (names from llama_chat_builtin_templates) to try for a
 # file without a template, first the one whose turn marker the vocabulary holds as a single token:

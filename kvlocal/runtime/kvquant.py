@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import UsageError
+from kvlocal.errors import UsageError
 
 GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16 = 0, 1, 30
 FLOAT_TYPES = (GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16)
@@ -37,6 +37,14 @@ CACHE_TYPES = {"f16": GGML_TYPE_F16, "f32": GGML_TYPE_F32, "bf16": GGML_TYPE_BF1
                "q5_0": 6, "q5_1": 7}
 _QUANTIZED = {t for n, t in CACHE_TYPES.items() if n.startswith("q")}
 ROT_MIN = 64  # llama.cpp rotates heads whose dimension is a multiple of 64
+_TYPE_NAMES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
+    11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 20: "IQ4_NL", 30: "BF16", 39: "MXFP4",
+}
+
+
+def type_name(t: int) -> str:
+    return _TYPE_NAMES.get(t, f"ggml type {t}")
 
 
 def cache_type(name: str) -> int:
@@ -142,8 +150,6 @@ def codec(t: int) -> RowCodec | None:
     if t in FLOAT_TYPES:
         return None
     if t not in _QUANTIZED:
-        from .state import type_name
-
         raise UsageError(f"compression with a {type_name(t)} KV cache is not supported: use f16, "
                          + ", ".join(n for n in CACHE_TYPES if n.startswith("q")))
     return RowCodec(t)

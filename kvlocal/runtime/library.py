@@ -8,7 +8,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from kvlocal.errors import UsageError
 
 # llama.cpp's internal formats (the sequence-state blob, graph node names) change between versions;
 # everything in runtime/ was checked against this one.

@@ -13,10 +13,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..arch import ArchInfo, arch_info, gguf_meta
-from ..errors import UsageError
-from ..gguf_file import check_gguf, read_gguf
-from .library import llama_lib, patch_functions
+from kvlocal.models.arch import ArchInfo, arch_info, gguf_meta
+from kvlocal.errors import UsageError
+from kvlocal.models.gguf_file import check_gguf, read_gguf
+from kvlocal.runtime.library import llama_lib, patch_functions
 
 
 def _no_progress(progress, user_data):
@@ -114,7 +114,7 @@ class Model:
     def chat_prompt(self, messages: list[dict], add_assistant: bool = True) -> str:
         """Render messages with the model's chat template: the GGUF's Jinja template, else llama.cpp's
         built-in one (see runtime/chat_template.py)."""
-        from .chat_template import chat_template
+        from kvlocal.runtime.chat_template import chat_template
 
         return chat_template(self).render(messages, add_assistant)
 
@@ -367,3 +367,8 @@ def kv_cache_bytes(model: Model, n_ctx: int, n_ubatch: int = 512, bytes_per_elem
 
 N_UBATCH = 512  # kvlocal's contexts: n_ubatch = min(n_batch, 512)
 BIAS_BYTES = 4  # the patched cache's F32 attention bias per cell and KV head (patch 0006)
+
+
+def pad_cells(n: int) -> int:
+    """The n_ctx llama.cpp really allocates for n cells: rounded up to a multiple of 256."""
+    return -(-n // 256) * 256

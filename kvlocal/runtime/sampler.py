@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .library import llama_lib
+from kvlocal.runtime.library import llama_lib
 
 class SamplerParamError(ValueError):
     """A sampling parameter outside its range; ``param`` is its name (llama.cpp's)."""

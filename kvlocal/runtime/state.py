@@ -55,9 +55,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import UsageError
-from .kvquant import codec
-from .library import has_attention_bias, llama_lib
+from kvlocal.errors import UsageError
+from kvlocal.runtime.kvquant import codec, type_name
+from kvlocal.runtime.library import has_attention_bias, llama_lib
 
 SEQ_STATE_MAGIC = 0xAF143CD8
 SEQ_ID = 0
@@ -73,17 +73,8 @@ _ARRAY_DTYPE = {
     GGML_TYPE_BF16: np.dtype(np.float32),
 }
 _ELEM_BYTES = {GGML_TYPE_F32: 4, GGML_TYPE_F16: 2, GGML_TYPE_BF16: 2}
-_TYPE_NAMES = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
-    11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 20: "IQ4_NL", 30: "BF16", 39: "MXFP4",
-}
-
 _META_PLAIN = np.dtype([("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
 _META_EXT = np.dtype([("pos", "<i4"), ("n_seq", "<u4"), ("ext", "<i4", (3,)), ("seq", "<i4")])
-
-
-def type_name(t: int) -> str:
-    return _TYPE_NAMES.get(t, f"ggml type {t}")
 
 
 @dataclass
@@ -232,6 +223,15 @@ def _check_cache_type(t: int, which: str) -> None:
 def _elem_bytes(t: int) -> int:
     """Bytes per array element of a row of type t (1: a quantized row, kept as raw bytes)."""
     return _ELEM_BYTES.get(t, 1)
+
+
+def row_format(t: int | None, head_dim: int) -> tuple[np.dtype, tuple]:
+    """``(dtype, shape)`` of one KV head's row of a cache of type t (None: F16) in :class:`SeqKV`'s arrays:
+    values for F16/F32/BF16, raw bytes for a quantized type."""
+    t = GGML_TYPE_F16 if t is None else t
+    if t in _ARRAY_DTYPE:
+        return _ARRAY_DTYPE[t], (head_dim,)
+    return np.dtype(np.uint8), (codec(t).row_bytes(head_dim),)
 
 
 def _rows_to_array(raw: np.ndarray, t: int, n: int, n_head_kv: int) -> np.ndarray:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UsageError
-from ..gguf_file import dequantize_tensor, read_gguf
+from kvlocal.errors import UsageError
+from kvlocal.models.gguf_file import dequantize_tensor, read_gguf
 
 WO_CACHE_BYTES = 256 << 20  # the most float32 W_O kvlocal keeps per model file (KVLOCAL_WO_CACHE_MIB)
 

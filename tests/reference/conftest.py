@@ -78,7 +78,7 @@ def tiny_path(tiny_dir):
 
 @pytest.fixture(scope="session")
 def sample_text() -> str:
-    from kvlocal.verify import sample_text
+    from kvlocal.eval.tasks import sample_text
 
     return sample_text()
 

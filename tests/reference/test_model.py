@@ -11,7 +11,8 @@ import torch
 from kvlocal.errors import UsageError
 from kvlocal.reference import KVCache, Transformer, apply_rope, load_gguf, prefill, rope_angles
 from kvlocal.runtime import Model
-from kvlocal.verify import TOLERANCES, compare_logits, weight_class
+from kvlocal.cli.verify import TOLERANCES, weight_class
+from kvlocal.eval.metrics import compare_logits
 
 import tiny_gguf  # tests/reference, put on sys.path by conftest
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from kvlocal import verify
+from kvlocal.cli import verify
 from kvlocal.errors import UsageError
 
 

@@ -1,6 +1,6 @@
 """Dequantization of every block format the reference claims, against ggml's own.
 
-The reference dequantizes with gguf-py (``gguf.quants.dequantize``, through ``kvlocal.gguf_file``). For
+The reference dequantizes with gguf-py (``gguf.quants.dequantize``, through ``kvlocal.models.gguf_file``). For
 each type a random tensor is quantized by ggml (``ggml_quantize_chunk`` of the libggml that llama.cpp
 runs on — gguf-py cannot write K-quants or IQ types) and dequantized twice: by ggml's ``to_float`` and by
 the reference's loader. They must agree exactly, and the round trip must be close to the input (a sanity

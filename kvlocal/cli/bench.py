@@ -16,9 +16,9 @@ import sys
 import time
 from importlib import resources
 
-from .engine import Budget, Engine
-from .errors import UsageError
-from .runtime import Model
+from kvlocal.engine import Budget, Engine
+from kvlocal.errors import UsageError
+from kvlocal.runtime import Model, resolve_backend
 
 
 def long_text(model: Model, n_tokens: int) -> list[int]:
@@ -46,8 +46,6 @@ def measure(model: Model, tokens: list[int], method: str, budget: str, n_decode:
 
 def default_backends(method: str) -> list[str]:
     """native and state where the runtime and the method have both, else the one there is."""
-    from .engine import resolve_backend
-
     try:
         resolve_backend("native", method)
     except UsageError:
@@ -56,6 +54,10 @@ def default_backends(method: str) -> list[str]:
 
 
 def run(args) -> int:
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"-t/--threads {args.threads}: give at least 1 (default: the cores, at most 8)")
+    if args.n_gpu_layers < -1:
+        raise UsageError(f"-ngl/--n-gpu-layers {args.n_gpu_layers}: give a number of layers, 0 for none or -1 for all")
     model = Model(args.model_path, n_gpu_layers=args.n_gpu_layers)
     backends = args.backends or default_backends(args.method)
     long = long_text(model, args.long)

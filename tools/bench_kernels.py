@@ -1,13 +1,13 @@
 """Time the scoring of one compression event, step by step, native kernels against numpy.
 
-    python -m kvlocal.compress.bench                 # SmolLM2-135M shapes: 30 layers, 9/3 heads, d 64, D 576
-    python -m kvlocal.compress.bench --n 4096 --budget 2048 --simd generic
-    python -m kvlocal.compress.bench --plan --n 1500 --budget 750   # one event's plan_layers, every method
+    python -m tools.bench_kernels                 # SmolLM2-135M shapes: 30 layers, 9/3 heads, d 64, D 576
+    python -m tools.bench_kernels --n 4096 --budget 2048 --simd generic
+    python -m tools.bench_kernels --plan --n 1500 --budget 750   # one event's plan_layers, every method
 
 Random inputs of a real model's shapes (the timings do not depend on the values). Each step is timed
 per layer (median over layers and repeats) and for all layers (median over repeats); "numpy" replaces
-the two scoring kernels (:func:`kvlocal.kernels.window_votes`, :func:`kvlocal.kernels.vnorm_l1`) by
-their readable numpy definitions (:mod:`kvlocal.compress.numpy_ref`); pooling and top-k stay native
+the two scoring kernels (:func:`kvlocal.compress.kernels.window_votes`, :func:`kvlocal.compress.kernels.vnorm_l1`) by
+their readable numpy definitions (:mod:`kvlocal.compress.numpy_kernels`); pooling and top-k stay native
 in both. The two alternate layer by layer, so the ratio holds on a busy machine. numpy's BLAS may use
 several threads: set ``OPENBLAS_NUM_THREADS=1`` on a machine shared with other work.
 """
@@ -20,8 +20,8 @@ import time
 
 import numpy as np
 
-from kvlocal import kernels
-from kvlocal.compress import make_scorer, numpy_ref
+from kvlocal.compress import kernels
+from kvlocal.compress import make_scorer, numpy_kernels
 from kvlocal.compress.base import LayerInputs, native_scoring, plan_layers, select
 from kvlocal.compress.criticalkv import CriticalKV
 from kvlocal.compress.snapkv import SnapKV
@@ -41,10 +41,10 @@ def make_layers(n_layer: int, n: int, n_head: int, n_kv: int, d: int, big_d: int
 
 
 @contextlib.contextmanager
-def numpy_kernels():
+def numpy_definitions():
     """Swap the two scoring kernels for their numpy definitions."""
     saved = kernels.window_votes, kernels.vnorm_l1
-    kernels.window_votes, kernels.vnorm_l1 = numpy_ref.window_votes, numpy_ref.vnorm_l1
+    kernels.window_votes, kernels.vnorm_l1 = numpy_kernels.window_votes, numpy_kernels.vnorm_l1
     try:
         yield
     finally:
@@ -62,7 +62,7 @@ def timed(fn, layers, repeat: int, clock=time.perf_counter) -> dict[str, tuple[f
         total = {"C": 0.0, "numpy": 0.0}
         for layer in layers:
             for variant in ("C", "numpy"):
-                with numpy_kernels() if variant == "numpy" else contextlib.nullcontext():
+                with numpy_definitions() if variant == "numpy" else contextlib.nullcontext():
                     t0 = clock()
                     fn(layer)
                     dt = clock() - t0

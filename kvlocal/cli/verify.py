@@ -19,17 +19,14 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
-from importlib import resources
 from pathlib import Path
 
-import numpy as np
 
-from .errors import UsageError
+from kvlocal.errors import UsageError
+from kvlocal.eval.metrics import DECISIVE_MARGIN, compare_logits
+from kvlocal.eval.tasks import sample_text
 
 GGML_TYPE_F32 = 0  # ggml_type of an F32 KV cache
-# top-1 agreement is also reported over the positions where llama.cpp's best token leads its runner-up
-# by at least this many logits: quantized arithmetic flips near-ties, a real bug flips clear choices
-DECISIVE_MARGIN = 1.0
 
 
 @dataclass(frozen=True)
@@ -82,41 +79,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def sample_text() -> str:
-    """A few paragraphs of public-domain English prose shipped with kvlocal (Austen, Melville, Dickens)."""
-    return resources.files("kvlocal").joinpath("data/sample.txt").read_text(encoding="utf-8")
-
-
-def compare_logits(ll: np.ndarray, ref: np.ndarray, rows: int = 64) -> dict:
-    """Metrics of reference logits against llama.cpp's, both [T, V]; float64, ``rows`` positions at a time
-    (a 262K vocabulary in float64 is 2 MB a position, and the metrics need several such arrays)."""
-    max_diff, sum_diff, kl, agree, decisive = 0.0, 0.0, [], [], []
-    for r0 in range(0, ll.shape[0], rows):
-        a, b = ll[r0 : r0 + rows].astype(np.float64), ref[r0 : r0 + rows].astype(np.float64)
-        diff = np.abs(a - b)
-        max_diff, sum_diff = max(max_diff, float(diff.max())), sum_diff + float(diff.sum())
-        lp_ll, lp_ref = a - _logsumexp(a), b - _logsumexp(b)
-        kl.append((np.exp(lp_ll) * (lp_ll - lp_ref)).sum(-1))  # [rows] KL(llama.cpp ‖ reference)
-        agree.append(a.argmax(-1) == b.argmax(-1))
-        top2 = np.partition(a, -2, axis=-1)[:, -2:]
-        decisive.append(top2[:, 1] - top2[:, 0] >= DECISIVE_MARGIN)
-    kl, agree, decisive = np.concatenate(kl), np.concatenate(agree), np.concatenate(decisive)
-    return {
-        "max_abs_diff": max_diff,
-        "mean_abs_diff": sum_diff / ll.size,
-        "top1_agreement": float(agree.mean()),
-        "decisive_positions": int(decisive.sum()),
-        "decisive_top1_agreement": float(agree[decisive].mean()) if decisive.any() else 1.0,
-        "mean_kl": float(kl.mean()),
-        "max_kl": float(kl.max()),
-    }
-
-
-def _logsumexp(x: np.ndarray) -> np.ndarray:
-    m = x.max(-1, keepdims=True)
-    return m + np.log(np.exp(x - m).sum(-1, keepdims=True))
-
-
 def _progress(msg: str) -> None:
     print(f"verify: {msg}", file=sys.stderr, flush=True)
 
@@ -126,7 +88,7 @@ def _model_path(model: str | None) -> Path:
     (the reference loader checks the file and reads its header once — parsing a large vocabulary in
     gguf-py takes seconds)."""
     try:
-        from .models import KNOWN_MODELS, resolve
+        from kvlocal.models import KNOWN_MODELS, resolve
     except ImportError:
         KNOWN_MODELS, resolve = {}, None
     if resolve is not None and (model is None or model in KNOWN_MODELS):
@@ -152,8 +114,8 @@ def run(args: argparse.Namespace) -> int:
     # with fewer free cores than threads that made both 2-10x slower (docs/verify.md). Sleeping idle
     # threads cost nothing measurable. Effective only if neither library has started yet.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from .reference import Transformer  # torch: imported only by this command
-    from .runtime import Model
+    from kvlocal.reference import Transformer  # torch: imported only by this command
+    from kvlocal.runtime import Model
 
     if args.tokens < 1:
         raise UsageError(f"--tokens must be at least 1 (got {args.tokens})")
@@ -197,8 +159,8 @@ def compare_models(ref_model, lm, tokens: list[int], rope_freq_base: float | Non
     """Decode ``tokens`` at positions 0..T-1 with llama.cpp (``lm``, a runtime Model; optional RoPE-base
     override for llama.cpp only) and with the reference, and judge the difference. Returns the result
     dict that ``--json`` prints."""
-    from .reference import prefill
-    from .runtime import Context
+    from kvlocal.reference import prefill
+    from kvlocal.runtime import Context
 
     a, n = ref_model.args, len(tokens)
     _progress(f"llama.cpp: {n} tokens")

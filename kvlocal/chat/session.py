@@ -21,8 +21,8 @@ import codecs
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from .engine import Engine
-from .sampling import Sampler
+from kvlocal.engine import Engine
+from kvlocal.runtime import Sampler
 
 _MARK = "\u2063kvlocal-question\u2063"  # where the question goes; never in real text (invisible separators)
 
@@ -83,7 +83,7 @@ class ChatSession:
         t.messages.append({"role": "user", "content": t.pending + user_text})
         t.pending = ""
         tokens = self._tokens(self._delta(add_assistant=True))
-        self.engine.append(tokens, probe=tokens, progress=progress)
+        self.engine.append(tokens, probe=tokens, progress=progress, recall=True)
         t.fed_text = self.model.chat_prompt(t.messages, add_assistant=True)
         return self._reply(max_tokens)
 

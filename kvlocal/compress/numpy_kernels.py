@@ -1,8 +1,8 @@
 """Readable numpy versions of the native scoring kernels.
 
-Each function here is the definition that the C kernel of the same name in :mod:`kvlocal.kernels`
+Each function here is the definition that the C kernel of the same name in :mod:`kvlocal.compress.kernels`
 is tested against (``tests/test_kernels_scoring.py``; ``greedy_pairs``: ``tests/test_compress_merge.py``)
-and the baseline of ``python -m kvlocal.compress.bench``. The scorers call the C scoring kernels where
+and the baseline of ``python -m tools.bench_kernels``. The scorers call the C scoring kernels where
 those have wide vectors (AVX2, AVX-512) and these functions elsewhere, where numpy's BLAS is faster
 (:func:`kvlocal.compress.base.native_scoring`); ``greedy_pairs`` is a plain loop and always runs in C.
 """
@@ -42,14 +42,14 @@ def window_votes(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, pos: np.ndarra
                  bias: np.ndarray | None = None) -> np.ndarray:
     """Mean over the window of the softmax attention of each query head over the keys: ``[Hq, n]``.
 
-    Same contract as :func:`kvlocal.kernels.window_votes`. Materialises ``[Hq, w, n]``.
+    Same contract as :func:`kvlocal.compress.kernels.window_votes`. Materialises ``[Hq, w, n]``.
     """
     return window_attention(q, q_pos, k, pos, bias).mean(axis=1).astype(np.float32)
 
 
 def vnorm_l1(v: np.ndarray, wo: np.ndarray, first_head: int, n_group: int,
              rows: np.ndarray | None = None) -> np.ndarray:
-    """``mean_h ||v[r] · W_O^h||_1``: ``[m]``. Same contract as :func:`kvlocal.kernels.vnorm_l1`."""
+    """``mean_h ||v[r] · W_O^h||_1``: ``[m]``. Same contract as :func:`kvlocal.compress.kernels.vnorm_l1`."""
     d = v.shape[1]
     v = v if rows is None else v[np.asarray(rows)]
     heads = range(first_head, first_head + n_group)
@@ -57,7 +57,7 @@ def vnorm_l1(v: np.ndarray, wo: np.ndarray, first_head: int, n_group: int,
 
 
 def greedy_pairs(mass: np.ndarray, n_pairs: int) -> np.ndarray:
-    """Greedy non-overlapping adjacent pairs: ``[P]``. Same contract as :func:`kvlocal.kernels.greedy_pairs`."""
+    """Greedy non-overlapping adjacent pairs: ``[P]``. Same contract as :func:`kvlocal.compress.kernels.greedy_pairs`."""
     mass = np.asarray(mass, dtype=np.float32)
     taken = np.zeros(len(mass), dtype=bool)
     chosen: list[int] = []

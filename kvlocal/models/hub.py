@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UsageError
+from kvlocal.errors import UsageError
 
 DEFAULT_QUANT = "Q4_K_M"  # llama.cpp's pick for a bare OWNER/REPO
 LIST_TIMEOUT = 10  # seconds for the listing; huggingface_hub's own timeouts cover the download
@@ -211,7 +211,7 @@ def fetch(spec: HubSpec, force: bool = False, quiet: bool = False, download: boo
     asked, or with ``download=False`` (no network at all), the cached snapshot is used if it has the file."""
     from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
 
-    from .gguf_file import check_gguf
+    from kvlocal.models.gguf_file import check_gguf
 
     files, offline = _list_repo(spec) if download else (None, "not pulled")
     if files is None:

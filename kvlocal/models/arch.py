@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from .errors import UsageError
+from kvlocal.errors import UsageError
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3")
 _SWA_PATTERN_DEFAULT = {"gemma3": 6}

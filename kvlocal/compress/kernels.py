@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 try:
-    from ._kernels import ffi, lib
+    from kvlocal._kernels import ffi, lib
 except ImportError as e:  # an install that skipped the cffi step (e.g. a bare checkout on PYTHONPATH)
     raise ImportError(
         f"kvlocal's native kernels are not built ({e}); reinstall with `pip install -e .` (needs a C compiler)"
@@ -55,7 +55,7 @@ def window_votes(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, pos: np.ndarra
     pos ([n], or [Hkv, n] when heads differ), in any cell order; bias: optional [Hkv, n] logit bias.
     Logits ``q·k/sqrt(d) + bias`` in float32; a query at ``p`` sees keys with ``0 <= pos <= p``; query head
     ``h`` reads KV head ``h // (Hq/Hkv)``. The result is in cell order. Readable numpy version:
-    ``kvlocal.compress.numpy_ref.window_votes``.
+    ``kvlocal.compress.numpy_kernels.window_votes``.
     """
     q = np.ascontiguousarray(q, dtype=np.float32)
     k = np.ascontiguousarray(k, dtype=np.float32)
@@ -79,7 +79,7 @@ def vnorm_l1(v: np.ndarray, wo: np.ndarray, first_head: int, n_group: int,
 
     v: [n, d] values of one KV head; wo: [D, Hq*d] the layer's output projection in HF layout
     (``o_proj.weight``; ``W_O^h = wo[:, h*d:(h+1)*d].T``, read in place, no transposed copy); rows:
-    optional cell indices (default all n). Readable numpy version: ``kvlocal.compress.numpy_ref.vnorm_l1``.
+    optional cell indices (default all n). Readable numpy version: ``kvlocal.compress.numpy_kernels.vnorm_l1``.
     """
     v = np.ascontiguousarray(v, dtype=np.float32)
     wo = np.ascontiguousarray(wo, dtype=np.float32)
@@ -105,7 +105,7 @@ def greedy_pairs(mass: np.ndarray, n_pairs: int) -> np.ndarray:
     mass: [m] per-row weights in position order; pair ``i`` joins rows ``i`` and ``i+1`` and costs
     ``mass[i] + mass[i+1]`` (float32). Pairs are taken cheapest first (ties: the earlier pair), skipping
     any that shares a row with one already taken, until ``n_pairs`` (fewer if the rows run out).
-    Readable numpy version: ``kvlocal.compress.numpy_ref.greedy_pairs``.
+    Readable numpy version: ``kvlocal.compress.numpy_kernels.greedy_pairs``.
     """
     mass = np.ascontiguousarray(mass, dtype=np.float32).reshape(-1)
     m = mass.shape[0]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UsageError
+from kvlocal.errors import UsageError
 
 GGUF_MAGIC = b"GGUF"
 

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .chat import Chat
-from .errors import UsageError
+from kvlocal.chat import Chat
+from kvlocal.errors import UsageError
 
 HELP = """\
 Type a message and press Enter. A reply streams as it is generated; the status line after it shows
@@ -191,7 +191,7 @@ class Repl:
         self._reconfigure(budget=arg)
 
     def method(self, arg: str) -> None:
-        from .compress import METHODS
+        from kvlocal.compress import METHODS
 
         if arg not in METHODS:
             raise UsageError(f"/method takes one of {', '.join(METHODS)} (now {self.chat.settings.method})")
@@ -241,7 +241,7 @@ def _readline_input():
         import readline
     except ImportError:  # Windows without pyreadline: plain input
         return input
-    from .models import cache_dir
+    from kvlocal.models import cache_dir
 
     history = cache_dir() / "chat_history"
     try:
@@ -276,11 +276,12 @@ def _stdin_lines(prompt: str) -> str:
 
 def run(args) -> int:
     """``kvlocal chat``: build the chat from the command line, read ``--file`` documents, loop."""
-    from .cli import _sampler
-    from .models import resolve
-    from .runtime import Model, runtime_info
+    from kvlocal.options import check_llama_args, recall_args, sampler_from_args
+    from kvlocal.models import resolve
+    from kvlocal.runtime import Model, runtime_info
 
-    sampler = _sampler(args)
+    check_llama_args(args)
+    sampler = sampler_from_args(args)
     for f in args.file or []:
         if not Path(f).is_file():
             raise UsageError(f"--file {f}: no such file")
@@ -294,7 +295,7 @@ def run(args) -> int:
             chat = Chat(model, args.budget, args.method, system=args.system, sampler=sampler, ctx_size=args.ctx_size,
                         chunk=args.chunk, window=args.window, max_reply=args.n_predict, flash_attn=args.flash_attn,
                         n_threads=args.threads, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-                        backend=args.backend)
+                        backend=args.backend, **recall_args(args))
         with chat:
             interactive = sys.stdin.isatty()
             repl = Repl(chat, interactive)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UsageError
+from kvlocal.errors import UsageError
 
 MAGIC = b"KVLOCAL-SESSION\n"
 FORMAT = 1

@@ -1,0 +1,126 @@
+"""What an engine is configured with and what it reports: the budget, the settings, the statistics, and
+a snapshot of its state."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from kvlocal.errors import UsageError
+from kvlocal.runtime import N_UBATCH, RowRecord
+
+
+@dataclass(frozen=True)
+class Budget:
+    """``--budget``: a ratio in (0, 1] of the tokens seen, or an absolute number of cells (> 1)."""
+
+    ratio: float | None = None
+    cells: int | None = None
+
+    @classmethod
+    def parse(cls, text: str | float | int) -> "Budget":
+        try:
+            value = float(text)
+        except (TypeError, ValueError):
+            raise UsageError(f"--budget {text!r} is not a number: give a ratio in (0, 1] like 0.1 or a cell count like 2048") from None
+        if not math.isfinite(value) or value <= 0:
+            raise UsageError(f"--budget {text} must be > 0: a ratio in (0, 1] like 0.1 or a cell count like 2048")
+        if value <= 1:
+            return cls(ratio=value)
+        if value != int(value):
+            raise UsageError(f"--budget {text}: a ratio must be in (0, 1]; a cell count must be a whole number")
+        return cls(cells=int(value))
+
+    def cells_for(self, n_tokens: int, floor: int) -> int:
+        """Cells for n_tokens seen. An absolute budget below the floor (sinks + window) is an error;
+        a ratio is raised to the floor."""
+        if self.cells is not None:
+            if self.cells < floor:
+                raise UsageError(f"--budget {self.cells} is below the floor of {floor} cells (sinks + window): give at least {floor}")
+            return self.cells
+        return max(floor, math.ceil(self.ratio * n_tokens))
+
+    def __str__(self) -> str:
+        return f"{self.ratio:g}" if self.ratio is not None else str(self.cells)
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    n_ctx: int = 0
+    kv_bytes_allocated: int = 0  # K/V bytes of this context, both caches: measured from llama.cpp's buffers
+    kv_bytes_swa: int = 0  # of which the sliding-window cache (iSWA models; llama.cpp bounds it itself)
+    kv_bytes_measured: bool = False  # False on a stock runtime: kv_bytes_allocated is then the formula
+    kv_bytes_full: int = 0  # what llama.cpp's full cache for max_tokens would allocate (formula, both caches)
+    wo_cache_bytes: int = 0  # kvlocal's own memory: dequantized W_O kept for CriticalKV (bounded)
+    host_bytes_peak: int = 0  # kvlocal's own memory: the largest host copy of the cache one event made
+    host_kv_bytes: int = 0  # K/V bytes compression events copied between llama.cpp and the host (0 on native)
+    backend: str = ""  # the KV backend compression runs on: "native" or "state"
+    budget_cells: int = 0
+    kv_cells_live: int = 0
+    kv_cells_live_peak: int = 0
+    compression_events: int = 0
+    compression_seconds: float = 0.0  # part of prefill/decode seconds: scoring, KV read/write, and the probe's decode
+    compression_breakdown: dict = field(default_factory=dict)  # seconds by step: observe, read, score, apply
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    repositions: int = 0  # times an endless session moved its positions back into the trained range
+    host_tier_bytes: int = 0  # the recall tier's host memory: evicted rows (RAM and --recall-dir file) and page bounds
+    recall_events: int = 0  # re-selections for a new question
+    recall_seconds: float = 0.0  # their time (the question's probe decode included)
+    recall_candidates: int = 0  # tier rows scored by them (the best pages' rows)
+    recall_rows_in: int = 0  # rows brought back to the device
+    recall_rows_out: int = 0  # rows the tier took (each row once: one brought back and evicted again costs nothing)
+    recall_dropped_rows: int = 0  # rows that did not fit under --recall-mem without --recall-dir
+    end_tokens: int = 0  # end-of-generation tokens decoded into the cache (not yielded, not in generated_tokens)
+
+    @property
+    def tokens_seen(self) -> int:
+        """Every token the cache has been fed."""
+        return self.prompt_tokens + self.generated_tokens + self.end_tokens
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class EngineConfig:
+    budget: Budget = field(default_factory=lambda: Budget(ratio=0.1))
+    method: str = "criticalkv"
+    chunk: int = 128  # least prefill chunk: n_ctx = budget + chunk + window (then padded by llama.cpp)
+    window: int = 32  # most recent tokens always kept; also the probe length cap
+    n_sink: int = 4  # first tokens always kept (attention sinks)
+    max_tokens: int | None = None  # tokens a session may see in all (hard cap; sizes a ratio budget)
+
+    def validate(self) -> None:
+        """Raise UsageError naming the fix for values the engine cannot work with."""
+        for name, lo in (("chunk", 1), ("window", 1), ("n_sink", 0), ("max_tokens", 1)):
+            val = getattr(self, name)
+            if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < lo:
+                raise UsageError(f"{name} must be a whole number >= {lo}, got {val!r}")
+        if self.window > N_UBATCH // 2:
+            raise UsageError(f"window {self.window} is too large: at most {N_UBATCH // 2} (the probe is decoded with a chunk in one batch)")
+
+
+@dataclass
+class EngineState:
+    """An :class:`~kvlocal.engine.Engine`'s :meth:`~kvlocal.engine.Engine.snapshot`: ``blob`` is llama.cpp's
+    sequence state (uint8), ``record`` kvlocal's record of the rows (:class:`~kvlocal.runtime.RowRecord`)."""
+
+    blob: np.ndarray
+    n_past: int
+    last_token: int
+    logits: np.ndarray | None
+    record: RowRecord
+    tier_mark: np.ndarray | None  # rows per head of the recall tier then ([n_layer, Hkv]); None: no tier
+    settled: int
+    probe: list[int] | None
+    reply: list[int]
+    stats: dict
+
+    @property
+    def nbytes(self) -> int:
+        return self.blob.nbytes + (0 if self.logits is None else self.logits.nbytes) + self.record.nbytes

@@ -1,0 +1,122 @@
+"""The options every command shares (``chat``, ``run``, ``serve``, ``bench``): the model argument,
+llama.cpp's flags, the budget and method, and sampling — declared once, read back into the objects the
+commands build. The front doors (:mod:`kvlocal.cli`, :mod:`kvlocal.server`) import these; nothing here
+imports a front door."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvlocal.errors import UsageError
+
+
+def add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="a .gguf file, a known model name (default: smollm2-135m, pulled on first use) or a Hugging Face "
+                        "repo: OWNER/REPO[:QUANT] or OWNER/REPO/FILE.gguf")
+
+
+def add_llama_args(p: argparse.ArgumentParser) -> None:
+    """Flags named as in llama.cpp's own tools."""
+    p.add_argument("-c", "--ctx-size", type=int, default=0,
+                   help="the tokens a ratio budget is sized from (default 0: the model's trained context); `run` "
+                        "refuses a longer prompt, a chat goes on past it in the same cells")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                   help="layers to offload to the GPU (default 0; -1: all, as in llama-cpp-python)")
+    p.add_argument("-fa", "--flash-attn", action="store_true", help="use flash attention (off by default: slower for CPU decode)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: cores, at most 8)")
+    types = "f16, q8_0, q4_0, q4_1, q5_0, q5_1, bf16, f32"
+    p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE",
+                   help=f"KV cache type for K ({types}; default f16): compression runs on it, evicting quantized rows as they are")
+    p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE",
+                   help="KV cache type for V (default f16; a quantized V turns flash attention on, as llama.cpp needs)")
+
+
+def add_budget_args(p: argparse.ArgumentParser) -> None:
+    from kvlocal.compress import METHODS
+
+    p.add_argument("--budget", default="0.1",
+                   help="KV budget: a ratio in (0, 1] of the context (-c; `run`: of the prompt and -n) (default 0.1), "
+                        "or a cell count like 2048")
+    p.add_argument("--method", default="criticalkv", help=f"{', '.join(METHODS)} (default criticalkv; docs/algorithms.md)")
+    p.add_argument("--chunk", type=int, default=128,
+                   help="least prefill chunk in tokens: n_ctx = budget + chunk + window, padded by llama.cpp (default 128)")
+    p.add_argument("--window", type=int, default=32, help="recent tokens always kept; probe length (default 32)")
+    p.add_argument("--backend", default="auto", choices=("auto", "native", "state"),
+                   help="where compression runs: native = on the device that holds the cache (patched llama.cpp; "
+                        "eviction methods, unquantized caches), state = K/V read to the host (every method); "
+                        "default auto: native when the model is offloaded to a GPU (-ngl), else state")
+    p.add_argument("--recall", default="on", choices=("on", "off"),
+                   help="the recall tier (default on): rows evicted from the KV cache wait in host memory, and each "
+                        "new question brings back the ones it needs (eviction methods; the state backend)")
+    p.add_argument("--recall-mem", metavar="SIZE", default=None,
+                   help="host RAM the recall tier may use (e.g. 2G; default: no limit); past it, --recall-dir or drop")
+    p.add_argument("--recall-dir", metavar="DIR", default=None,
+                   help="a folder for the recall tier's memory-mapped file once --recall-mem is used up")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's sampling flags; the chain is llama.cpp's own (kvlocal/runtime/sampler.py)."""
+    g = p.add_argument_group("sampling (llama.cpp's sampler chain)")
+    g.add_argument("--temp", type=float, default=0.0, help="temperature (default 0: greedy)")
+    g.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40, 0 = off)")
+    g.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95, 1.0 = off)")
+    g.add_argument("--min-p", type=float, default=0.05, help="min-p sampling (default 0.05, 0.0 = off)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalize repeated tokens (default 1.0 = off)")
+    g.add_argument("--repeat-last-n", type=int, default=64, help="tokens the repeat penalty looks back on (default 64, 0 = off)")
+    g.add_argument("--seed", type=int, default=-1, help="sampling seed (default -1: random)")
+
+
+def check_llama_args(args) -> None:
+    """UsageError, naming the fix, for llama.cpp flags no model can run with (before anything loads)."""
+    if args.ctx_size < 0:
+        raise UsageError(f"-c/--ctx-size {args.ctx_size}: give a number of tokens, or 0 for the model's trained context")
+    if args.n_gpu_layers < -1:
+        raise UsageError(f"-ngl/--n-gpu-layers {args.n_gpu_layers}: give a number of layers, 0 for none or -1 for all")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"-t/--threads {args.threads}: give at least 1 (default: the cores, at most 8)")
+
+
+def sampler_from_args(args):
+    from kvlocal.runtime import Sampler, SamplerParamError
+
+    try:
+        return Sampler(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                       repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                       seed=None if args.seed == -1 else args.seed)
+    except SamplerParamError as e:  # the parameters are named as the flags, with _ for -
+        flag = "--" + e.param.replace("_", "-")
+        rule = e.rule.replace("None (random)", "-1 (random)")
+        raise UsageError(f"{flag} must be {rule} (got {e.value})") from None
+
+
+def recall_args(args) -> dict:
+    """``--recall``, ``--recall-mem``, ``--recall-dir`` → the Engine's and Chat's ``recall*`` keywords."""
+    from kvlocal.recall import parse_size
+
+    mem = None if args.recall_mem is None else parse_size(args.recall_mem)
+    if args.recall_dir is not None and args.recall == "off":
+        raise UsageError("--recall-dir has no effect with --recall off: leave it out, or turn recall on")
+    return dict(recall=args.recall == "on", recall_mem=mem, recall_dir=args.recall_dir)
+
+
+def engine_from_args(args, model, max_tokens: int):
+    from kvlocal.engine import Budget, Engine
+
+    if args.chunk < 1 or args.window < 1:
+        raise UsageError("--chunk and --window must be at least 1")
+    budget = Budget.parse(args.budget)
+    if max_tokens > model.n_ctx_train:
+        print(f"kvlocal: warning: {max_tokens} tokens exceed the {model.n_ctx_train} the model was trained on; positions extrapolate",
+              file=sys.stderr)
+    return Engine(model, budget, args.method, max_tokens=max_tokens, chunk=args.chunk, window=args.window,
+                  flash_attn=args.flash_attn, n_threads=args.threads, backend=args.backend, **cache_types(args),
+                  **recall_args(args))
+
+
+def cache_types(args) -> dict:
+    """``-ctk``/``-ctv`` → the Engine's ``type_k``/``type_v`` (ggml types; UsageError for an unknown name)."""
+    from kvlocal.runtime import cache_type
+
+    return dict(type_k=cache_type(args.cache_type_k), type_v=cache_type(args.cache_type_v))

@@ -1,0 +1,55 @@
+"""The state KV backend: an event reads sequence 0's cells to the host (llama.cpp's sequence state,
+:mod:`kvlocal.runtime.state`), the scorers work on the K/V rows there, and the compacted cells are
+loaded back. Any llama.cpp build; every method, merging and quantized caches included."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kvlocal.compress import LayerInputs, Plan
+from kvlocal.runtime.backend import CacheRead, KVBackend, RowRecord
+from kvlocal.runtime.state import read_seq, write_seq
+
+
+class StateBackend(KVBackend):
+    name = "state"
+
+    def read(self) -> CacheRead:
+        kv = read_seq(self.ctx)
+        return self._read_record(kv.pos, kv=kv)
+
+    def layer_inputs(self, read: CacheRead, q, q_pos, *, n_sink: int, window: int, window_size=None):
+        kv, basis, bias = read.kv, self.basis, read.bias
+        for i, il in enumerate(self.layers):  # i: index in the compressed cache, il: the model's layer
+            yield LayerInputs(
+                k=basis.keys(kv.k[i].transpose(1, 0, 2)),  # [Hkv, n, d] float32, in the stored basis
+                v=basis.values(kv.v[i].transpose(1, 0, 2)),  # as the model computed them
+                pos=read.true[i],  # [Hkv, n], -1 for the empty rows of a head
+                q=basis.queries(q[i]),  # in the keys' basis
+                q_pos=q_pos,
+                wo=self.wo[il] if self.wo is not None else None,
+                layer=il,
+                n_sink=n_sink,
+                window=window,  # the probe is not cached: protect the most recent rows instead
+                bias=None if bias is None else bias[i],  # log(count) of merged rows, -inf for empty ones
+                vnorm=read.vnorm[i],  # CriticalKV fills in the ones it computes
+                groups=None if read.groups is None else read.groups[i],
+            )
+
+    def apply(self, read: CacheRead, plan: Plan) -> None:
+        """Write the plan's rows into the cells: kept rows as they are, merged ones combined
+        (:meth:`Plan.materialize`), each with its bias (``log(count)``, ``-inf`` for an empty slot)."""
+        kv = read.kv
+        k, v, counts, bias = plan.materialize(kv.k, kv.v, read.count, self.basis.k_codec, self.basis.v_codec)
+        record = RowRecord.after(plan, read, counts)
+        # no bias section at all while every slot holds one plain token
+        cell_bias = [b.T for b in bias] if np.any(counts != 1) else None
+        blob = kv.blob.nbytes if kv.blob is not None else 0
+        written = sum(a.nbytes for a in k) + sum(a.nbytes for a in v)
+        layer_f32 = 2 * read.n * self.n_head_kv * self.head_dim * 4  # one layer's K and V while scoring
+        write_seq(self.ctx, dataclasses.replace(kv, pos=record.pos.astype(np.int32), k=k, v=v, blob=None, bias=cell_bias),
+                  previous=kv.blob)
+        self.record = record
+        self._count_host(blob + written, max(blob + layer_f32, blob + written))

@@ -1,0 +1,136 @@
+"""``kvlocal serve``: an OpenAI-compatible chat server on one model, every conversation in a bounded KV
+cache (docs/server.md).
+
+    kvlocal serve smollm2-135m --budget 256 --port 8080
+    curl http://127.0.0.1:8080/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+
+Design
+------
+* One :class:`~kvlocal.runtime.Model` is loaded and shared by every conversation; each conversation is
+  a :class:`kvlocal.Chat` (its own llama.cpp context, its own compressed cache).
+* All llama.cpp work runs on ONE worker thread (a single-thread executor:
+  :class:`~kvlocal.server.worker.Worker`): requests queue for it, two threads never touch an engine at
+  once, and the event loop (:mod:`kvlocal.server.app`) stays free (``/health`` answers while a reply is
+  generated). A streaming reply's pieces go from the worker to the response through an asyncio queue
+  (``loop.call_soon_threadsafe``).
+* Conversation cache (:class:`~kvlocal.server.conversations.ConversationCache`): finished chats are
+  kept in an LRU keyed by their transcript as the client saw it
+  (system, then user/assistant messages, ending with the reply just sent). A request whose messages
+  minus the last are such a transcript takes that chat out, reads only the new user message into its
+  compressed cache and puts it back under its new transcript; a request that repeats the last user
+  message of a cached transcript (a "regenerate") takes its chat back to before that reply
+  (:meth:`Chat.regen`). Anything else builds a new chat and reads the history into it. The LRU is
+  bounded by the chats' KV bytes (``--cache-mib``) and their number (``--cache-chats``); evicted chats
+  are closed.
+* A client that goes away stops its reply at the next token; the conversation stays cached with the
+  partial reply. An error inside generation answers 500 and drops that chat; the server goes on.
+
+Modules, each importing only those before it: :mod:`~kvlocal.server.conversations` (the cache),
+:mod:`~kvlocal.server.worker` (the worker thread: jobs, results, stop strings),
+:mod:`~kvlocal.server.requests` (parsing and validating a request; error bodies),
+:mod:`~kvlocal.server.app` (the Starlette app, binding and serving), and this one: the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from kvlocal.errors import UsageError
+from kvlocal.options import add_budget_args, add_llama_args, add_model_arg, add_sampling_args, sampler_from_args
+from kvlocal.server.app import _bind, _serve, create_app
+from kvlocal.server.worker import DEFAULT_CACHE_CHATS, DEFAULT_CACHE_MIB, Worker
+
+
+# -- command line ----------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arg(p)
+    add_llama_args(p)
+    add_budget_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 exposes it, use --api-key)")
+    g.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0: any free port, printed at start)")
+    g.add_argument("--api-key", default=os.environ.get("KVLOCAL_API_KEY") or None,
+                   help="require `Authorization: Bearer KEY` on every request but /health (default: $KVLOCAL_API_KEY, "
+                        "else none)")
+    g.add_argument("--cache-mib", type=float, default=DEFAULT_CACHE_MIB,
+                   help=f"KV memory of the conversations kept for reuse, in MiB (default {DEFAULT_CACHE_MIB}; 0: no reuse)")
+    g.add_argument("--cache-chats", type=int, default=DEFAULT_CACHE_CHATS,
+                   help=f"most conversations kept for reuse (default {DEFAULT_CACHE_CHATS}; each also holds "
+                        f"llama.cpp's compute buffers)")
+    g.add_argument("-n", "--n-predict", type=int, default=512,
+                   help="most tokens of a reply when a request gives no max_tokens (default 512)")
+    add_sampling_args(p)  # server defaults; a request's temperature, top_p, seed, ... override them
+
+
+def run(args) -> int:
+    from kvlocal.models import DEFAULT_MODEL, KNOWN_MODELS, resolve
+    from kvlocal.runtime import Model
+
+    _check_args(args)
+    sampler_from_args(args).close()  # the default sampling flags, checked (UsageError names the flag)
+    sock, url, loopback = _bind(args.host, args.port)
+    model = worker = None
+    try:
+        path = resolve(args.model)
+        name = args.model or DEFAULT_MODEL
+        model_id = name if name in KNOWN_MODELS else Path(path).stem
+        model = Model(path, n_gpu_layers=args.n_gpu_layers)
+        worker = Worker(model, model_id, chat_options=dict(
+            budget=args.budget, method=args.method, ctx_size=args.ctx_size, chunk=args.chunk, window=args.window,
+            max_reply=args.n_predict, flash_attn=args.flash_attn, n_threads=args.threads,
+            cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, backend=args.backend),
+            defaults=dict(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                          seed=None if args.seed == -1 else args.seed),
+            max_tokens=args.n_predict, cache_bytes=int(args.cache_mib * 2**20), cache_chats=args.cache_chats)
+        cells = worker.check()  # builds one chat: a budget or method that cannot work fails here, not per request
+        if not loopback and not args.api_key:
+            print(f"kvlocal serve: warning: listening on {args.host} without --api-key: anyone who can reach "
+                  f"this port can use the model", file=sys.stderr)
+        print(f"kvlocal serve · {model_id} · budget {args.budget} ({cells:,} cells) · {args.method} · {url} "
+              f"(OpenAI API at {url}/v1)", file=sys.stderr, flush=True)
+        _serve(create_app(worker, api_key=args.api_key), sock, worker)
+    finally:
+        if worker is not None:
+            worker.close()
+        if model is not None:
+            model.close()
+        sock.close()
+    print("kvlocal serve: stopped", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvlocal.server``: the same command outside the ``kvlocal`` CLI."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as kvlocal.cli.main
+    p = argparse.ArgumentParser(prog="kvlocal serve", description="An OpenAI-compatible chat server in a bounded KV cache.")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except UsageError as e:
+        print(f"kvlocal: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _check_args(args) -> None:
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port} is not a TCP port: give 1-65535 (0: any free port)")
+    if args.cache_mib < 0:
+        raise UsageError("--cache-mib must be >= 0 (0 keeps no conversation for reuse)")
+    if args.cache_chats < 0:
+        raise UsageError("--cache-chats must be >= 0 (0 keeps no conversation for reuse)")
+    if args.n_predict < 1:
+        raise UsageError("-n/--n-predict must be at least 1")
+    if args.chunk < 1 or args.window < 1:
+        raise UsageError("--chunk and --window must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError("-t/--threads must be at least 1")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("--api-key is empty: give a key, or leave the flag out")

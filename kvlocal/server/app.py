@@ -1,0 +1,268 @@
+"""The HTTP side of ``kvlocal serve``: the Starlette app (``/health``, ``/v1/models``,
+``/v1/chat/completions``, streaming as server-sent events), the API-key middleware, and binding and
+serving it with uvicorn. It does no model work: every job goes to the :class:`~kvlocal.server.worker.Worker`."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import hmac
+import ipaddress
+import json
+import socket
+import sys
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+from kvlocal.errors import UsageError
+from kvlocal.server.requests import BadRequest, _error_body, error_response, parse_request
+from kvlocal.server.worker import Result, Worker, _ShuttingDown
+
+_OPEN_PATHS = ("/health",)  # answered without the API key (liveness checks)
+
+
+def _bind(host: str, port: int) -> tuple[socket.socket, str, bool]:
+    """A bound socket (before the model loads: a busy port fails at once), its URL, whether it is loopback."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise UsageError(f"--host {host}: cannot resolve it ({getattr(e, 'strerror', None) or e})") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)  # from here connections wait in the backlog until the server accepts them
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise UsageError(f"port {port} on {host} is in use: stop what holds it or pick another --port") from None
+        if e.errno == errno.EACCES:
+            raise UsageError(f"port {port} on {host} needs privileges: pick a --port above 1023") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise UsageError(f"--host {host} is not an address of this machine") from None
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    ip, real_port = sock.getsockname()[:2]
+    try:
+        loopback = ipaddress.ip_address(ip.split("%")[0]).is_loopback
+    except ValueError:
+        loopback = False
+    shown = f"[{ip}]" if ":" in ip else ip
+    if ip in ("127.0.0.1", "::1") and host == "localhost":
+        shown = "localhost"
+    return sock, f"http://{shown}:{real_port}", loopback
+
+
+def _serve(app, sock: socket.socket, worker: Worker) -> None:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            worker.stopping.set()  # the reply in progress ends at its next token
+            super().handle_exit(sig, frame)
+            # uvicorn raises the signal again once it has stopped; we stop cleanly and return instead
+            getattr(self, "_captured_signals", []).clear()
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+    Server(config).run(sockets=[sock])
+
+
+class _ApiKey:
+    """Pure ASGI middleware: ``Authorization: Bearer KEY`` on every path but /health."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            auth = b""
+            for k, v in scope.get("headers", []):
+                if k == b"authorization":
+                    auth = v
+            given = auth[7:].strip() if auth[:7].lower() == b"bearer " else None
+            if given is None or not hmac.compare_digest(given, self.key):
+                msg = "invalid API key" if given is not None else "missing API key: send `Authorization: Bearer KEY`"
+                await error_response(401, msg, "invalid_request_error", None, "invalid_api_key")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(worker: Worker, api_key: str | None = None):
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    started = int(time.time())
+
+    def log(line: str) -> None:
+        print(f"kvlocal serve: {line}", file=sys.stderr, flush=True)
+
+    async def health(request: Request):
+        c = worker.cache
+        return JSONResponse({"status": "ok", "model": worker.model_id, "method": worker.chat_options["method"],
+                             "budget": str(worker.chat_options["budget"]), "busy": worker.busy,
+                             "queued": worker.queued, "served": worker.served, "conversations": len(c),
+                             "cache_bytes": c.bytes, "cache_bytes_max": c.max_bytes, "evictions": c.evictions})
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": worker.model_id, "object": "model", "created": started, "owned_by": "kvlocal",
+             "kvlocal": {"file": Path(worker.model.path).name, "budget": str(worker.chat_options["budget"]),
+                         "method": worker.chat_options["method"], "n_ctx_train": worker.model.n_ctx_train}}]})
+
+    async def completions(request: Request):
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return error_response(400, f"the request body is not valid JSON: {e}", code="invalid_json")
+        try:
+            job, stream, include_usage = parse_request(body, worker)
+        except BadRequest as e:
+            return error_response(400, str(e), param=e.param, code=e.code)
+        cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def push(item) -> None:  # from the worker thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody is listening
+                job.cancelled.set()
+
+        if stream:
+            job.emit = lambda piece: push(("piece", piece))
+        try:
+            fut = worker.submit(job)
+        except _ShuttingDown:
+            return error_response(503, "the server is shutting down", "server_error")
+
+        def done(f: concurrent.futures.Future) -> None:  # on the worker thread
+            push(("end", None))
+            if _exception(f) is None:
+                _log_result(f.result())
+
+        fut.add_done_callback(done)
+
+        # wait for the first piece (or the end), watching for the client leaving meanwhile
+        first = await _first(queue, request)
+        if first is None:
+            job.cancelled.set()
+            log("client left before the reply began; stopped")
+            return Response(status_code=499)
+        if first[0] == "end" and _exception(fut) is not None:
+            return _failed(_exception(fut))
+
+        def chunk(delta: dict, finish=None, **extra) -> str:
+            obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": worker.model_id,
+                   "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        if not stream:
+            r: Result = fut.result()
+            return JSONResponse({
+                "id": cid, "object": "chat.completion", "created": created, "model": worker.model_id,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
+                             "finish_reason": r.finish_reason}],
+                "usage": _usage(r), "kv": r.kv})
+
+        async def events():
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                item = first
+                while item[0] == "piece":
+                    yield chunk({"content": item[1]})
+                    item = await queue.get()
+                e = _exception(fut)
+                if e is not None:
+                    status, message, kind = _error_body(500, e)
+                    if status == 500:
+                        _print_failure(e)
+                    error = {"message": message, "type": kind, "param": None, "code": None, "status": status}
+                    yield f"data: {json.dumps({'error': error})}\n\n"
+                else:
+                    r = fut.result()
+                    yield chunk({}, r.finish_reason, kv=r.kv)
+                    if include_usage:
+                        obj = {"id": cid, "object": "chat.completion.chunk", "created": created,
+                               "model": worker.model_id, "choices": [], "usage": _usage(r), "kv": r.kv}
+                        yield f"data: {json.dumps(obj)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                job.cancelled.set()  # a client that left: the worker stops at the next token
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _usage(r: Result) -> dict:
+        return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+                "total_tokens": r.prompt_tokens + r.completion_tokens}
+
+    def _log_result(r: Result) -> None:
+        log(f"{r.mode} · {r.prompt_tokens:,} prompt + {r.completion_tokens:,} completion tokens · {r.finish_reason} · "
+            f"{r.seconds:.2f} s · KV {r.kv['tokens_kept']:,} of {r.kv['tokens_seen']:,} tokens kept")
+
+    def _print_failure(e: BaseException) -> None:
+        log(f"a reply failed ({type(e).__name__}: {e}); its conversation was dropped, serving on")
+        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+
+    def _failed(e: BaseException):
+        status, message, kind = _error_body(500, e)
+        if status == 500:
+            _print_failure(e)
+        return error_response(status, message, kind)
+
+    async def http_error(request: Request, exc: HTTPException):
+        if exc.status_code == 404:
+            return error_response(404, f"no such endpoint: {request.method} {request.url.path} "
+                                       f"(this server has /health, /v1/models, /v1/chat/completions)", code="not_found")
+        if exc.status_code == 405:
+            return error_response(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
+        return error_response(exc.status_code, str(exc.detail))
+
+    async def unexpected(request: Request, exc: Exception):
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+    routes = [Route("/health", health, methods=["GET"]),
+              Route("/v1/models", models, methods=["GET"]), Route("/models", models, methods=["GET"]),
+              Route("/v1/chat/completions", completions, methods=["POST"]),
+              Route("/chat/completions", completions, methods=["POST"])]
+    middleware = [Middleware(_ApiKey, key=api_key)] if api_key else []
+    return Starlette(routes=routes, middleware=middleware,
+                     exception_handlers={HTTPException: http_error, Exception: unexpected})
+
+
+def _exception(fut: concurrent.futures.Future) -> BaseException | None:
+    """The worker's error for a finished job (a job cancelled at shutdown: _ShuttingDown)."""
+    if fut.cancelled():
+        return _ShuttingDown()
+    return fut.exception()
+
+
+async def _first(queue: asyncio.Queue, request):
+    """The first item from the worker, or None if the client disconnects first."""
+    get = asyncio.ensure_future(queue.get())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (get, gone):
+            if not t.done():
+                t.cancel()
+    if get.done() and not get.cancelled():
+        return get.result()
+    return None
+
+
+async def _disconnected(request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,234 @@
+"""The engine side of ``kvlocal serve``: ONE worker thread owns all llama.cpp work — the shared model,
+every conversation's chat and the conversation cache. The HTTP side (:mod:`kvlocal.server.app`) submits
+a :class:`Job` and gets a :class:`Result` back through a future."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvlocal.errors import UsageError
+from kvlocal.server.conversations import ConversationCache, Key
+
+DEFAULT_CACHE_MIB = 1024
+DEFAULT_CACHE_CHATS = 32
+
+
+class _ShuttingDown(Exception):
+    pass
+
+
+class _Gone(Exception):
+    """The client left before its request reached the worker."""
+
+
+@dataclass
+class Job:
+    """One chat completion, as the worker runs it."""
+
+    messages: list[dict]  # normalized: optional system first, then user/assistant alternating, ending with user
+    sampler: object
+    max_tokens: int
+    stops: list[str] = field(default_factory=list)
+    reuse: bool = True
+    emit: Callable[[str], None] | None = None  # streaming: called on the worker with each piece of text
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def system(self) -> str | None:
+        return self.messages[0]["content"] if self.messages[0]["role"] == "system" else None
+
+    @property
+    def key(self) -> Key:
+        return tuple((m["role"], m["content"]) for m in self.messages)
+
+
+@dataclass
+class Result:
+    text: str
+    finish_reason: str  # stop | length | cancelled
+    prompt_tokens: int
+    completion_tokens: int
+    kv: dict
+    seconds: float
+    mode: str = "new"  # new | continue | regenerate: how the conversation was found
+
+
+class Worker:
+    """The shared model, the worker thread and the conversation cache."""
+
+    def __init__(self, model, model_id: str, chat_options: dict, defaults: dict, max_tokens: int = 512,
+                 cache_bytes: int = DEFAULT_CACHE_MIB << 20, cache_chats: int = DEFAULT_CACHE_CHATS):
+        self.model, self.model_id = model, model_id
+        self.chat_options, self.defaults, self.max_tokens = dict(chat_options), dict(defaults), max_tokens
+        self.cache = ConversationCache(cache_bytes, cache_chats)
+        self.stopping = threading.Event()
+        self.busy = False
+        self.queued = 0  # jobs waiting for the worker
+        self.served = 0
+        self._count = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvlocal-llama")
+
+    def check(self) -> int:
+        """Build one chat with the settings (on the worker) and return its budget in cells."""
+        def probe():
+            with self.new_chat(None) as chat:
+                return chat.stats.budget_cells
+        return self._pool.submit(probe).result()
+
+    def new_chat(self, system: str | None):
+        from kvlocal.chat import Chat
+
+        o = self.chat_options
+        return Chat(self.model, o["budget"], o["method"], system=system, ctx_size=o.get("ctx_size", 0),
+                    chunk=o.get("chunk", 128), window=o.get("window", 32), max_reply=o.get("max_reply", 512),
+                    flash_attn=o.get("flash_attn", False), n_threads=o.get("n_threads"),
+                    cache_type_k=o.get("cache_type_k", "f16"), cache_type_v=o.get("cache_type_v", "f16"),
+                    backend=o.get("backend", "auto"))
+
+    def submit(self, job: Job) -> concurrent.futures.Future:
+        with self._count:
+            self.queued += 1
+        try:
+            return self._pool.submit(self._work, job)
+        except RuntimeError:  # the pool is shut down
+            with self._count:
+                self.queued -= 1
+            raise _ShuttingDown() from None
+
+    def close(self) -> None:
+        self.stopping.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.cache.close()
+
+    # -- on the worker thread ---------------------------------------------------------------------------
+    def _work(self, job: Job) -> Result:
+        with self._count:
+            self.queued -= 1
+        if job.cancelled.is_set():
+            raise _Gone()
+        if self.stopping.is_set():
+            raise _ShuttingDown()
+        self.busy = True
+        try:
+            return self._generate(job)
+        finally:
+            self.busy = False
+            self.served += 1
+
+    def _checkout(self, job: Job):
+        """(chat, mode): a cached chat to continue or to regenerate, else a new one."""
+        if job.reuse:
+            chat = self.cache.take(job.key[:-1])
+            if chat is not None:
+                return chat, "continue"
+            chat = self.cache.take_parent(job.key)
+            if chat is not None:
+                return chat, "regen"
+        return self.new_chat(job.system), "new"
+
+    def _generate(self, job: Job) -> Result:
+        t0 = time.perf_counter()
+        chat, mode = self._checkout(job)
+
+        def check(done: int, total: int) -> None:  # between the chunks of a long read
+            if job.cancelled.is_set():
+                raise _Gone()
+            if self.stopping.is_set():
+                raise _ShuttingDown()
+
+        try:
+            chat.sampler = job.sampler
+            reply = None
+            if mode == "regen":
+                try:
+                    reply = chat.regen(job.max_tokens)  # back to before the last reply: state after messages[:-1]
+                except UsageError:  # nothing to take back (cannot happen for a chat the server cached)
+                    chat.close()
+                    chat, mode = self.new_chat(job.system), "new"
+                    chat.sampler = job.sampler
+            s = chat.engine.stats
+            p0, g0 = s.prompt_tokens, s.generated_tokens
+            reused = 0 if mode == "new" else chat.stats.tokens_seen
+            if mode == "new":
+                history = [m for m in job.messages[:-1] if m["role"] != "system"]
+                if history:
+                    chat.extend(history, progress=check)
+            if reply is None:
+                reply = chat.send(job.messages[-1]["content"], job.max_tokens, progress=check)
+            text, finish = self._drain(reply, job)
+            s = chat.engine.stats
+            prompt, completion = s.prompt_tokens - p0, s.generated_tokens - g0
+            if finish is None:
+                finish = "length" if completion >= job.max_tokens else "stop"
+            st = chat.stats
+            kv = {"tokens_kept": st.kv_tokens_kept, "tokens_seen": st.tokens_seen, "bytes_allocated": st.kv_bytes,
+                  "bytes_full": st.kv_bytes_full, "method": st.method, "budget": st.budget,
+                  "budget_cells": st.budget_cells, "cache_reused": reused > 0, "tokens_reused": reused,
+                  "compression_events": st.compression_events, "backend": s.backend,
+                  "host_kv_bytes": s.host_kv_bytes}
+        except (_Gone, _ShuttingDown):
+            if mode == "continue":  # stopped while the new message was read: Chat put itself back as it was
+                self.cache.put(job.key[:-1], chat, chat.stats.kv_bytes)
+            else:
+                chat.close()
+            raise
+        except BaseException:
+            chat.close()  # a failed chat is not kept
+            raise
+        # kept under the transcript the client saw (its stop string trimmed), whatever the reply's end
+        self.cache.put(job.key + (("assistant", text),), chat, st.kv_bytes)
+        if finish == "stopped":
+            raise _ShuttingDown()
+        return Result(text, finish, prompt, completion, kv, time.perf_counter() - t0,
+                      {"regen": "regenerate"}.get(mode, mode))
+
+    def _drain(self, reply, job: Job) -> tuple[str, str | None]:
+        """Run the reply to its end, a stop string, a cancelled request or shutdown; stream what is sure not
+        to be part of a stop string. Returns (text, finish_reason or None when the reply ended itself)."""
+        stops, longest = job.stops, max((len(s) for s in job.stops), default=0)
+        text, sent, finish = "", 0, None
+        try:
+            for piece in reply:
+                start = max(0, len(text) - longest + 1)
+                text += piece
+                safe = len(text)
+                if stops:
+                    cut = _find_stop(text, stops, start)
+                    if cut >= 0:
+                        text, finish = text[:cut], "stop"
+                        break
+                    safe -= _partial_stop(text, stops)
+                if job.emit is not None and safe > sent:
+                    job.emit(text[sent:safe])
+                    sent = safe
+                if job.cancelled.is_set():
+                    finish = "cancelled"
+                    break
+                if self.stopping.is_set():
+                    finish = "stopped"
+                    break
+        finally:
+            reply.close()  # an early stop keeps the partial reply in the chat
+        if job.emit is not None and len(text) > sent and finish in (None, "stop"):
+            job.emit(text[sent:])
+        return text, finish
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> int:
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def _partial_stop(text: str, stops: list[str]) -> int:
+    """Characters at the end of text that begin a stop string (held back until it is clear)."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best

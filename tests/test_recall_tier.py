@@ -1,0 +1,145 @@
+"""The recall tier's store (kvlocal.recall.tier): rows in and out byte for byte, Quest's page bounds, the
+memory cap and the spill file, a session's round trip. Pure numpy: no model."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from kvlocal.errors import UsageError
+from kvlocal.recall import CHUNK, PAGE, HostTier, parse_size
+
+D = 8
+
+
+def tier(n_layer=2, hkv=2, **kw) -> HostTier:
+    return HostTier(n_layer, hkv, (np.float16, (D,)), (np.float16, (D,)), D, **kw)
+
+
+def rows(rng, m):
+    k = rng.standard_normal((m, D)).astype(np.float16)
+    v = rng.standard_normal((m, D)).astype(np.float16)
+    return k, v
+
+
+def add(t, rng, layer, head, pos, vnorm=None):
+    k, v = rows(rng, len(pos))
+    t.reserve(np.full((len(t.heads), len(t.heads[0])), len(pos)))
+    t.add(layer, head, np.asarray(pos), k, v, k.astype(np.float32),
+          np.full(len(pos), np.nan, np.float32) if vnorm is None else vnorm)
+    return k, v
+
+
+def test_rows_come_back_byte_for_byte_and_each_token_is_stored_once():
+    rng = np.random.default_rng(0)
+    t = tier()
+    k, v = add(t, rng, 1, 0, np.arange(10, 50))
+    s = t.heads[1][0]
+    ids = s.index_of(np.array([12, 49, 10, 7]))
+    assert ids[-1] == -1 and list(s.pos[ids[:3]]) == [12, 49, 10]
+    got_k, got_v = s.rows(ids[:3])
+    np.testing.assert_array_equal(got_k, k[[2, 39, 0]])
+    np.testing.assert_array_equal(got_v, v[[2, 39, 0]])
+    t.mark(1, 0, ids[:3])
+    assert s.on_device[ids[:3]].all() and t.rows_in == 3
+    add(t, rng, 1, 0, np.array([12, 60]))  # 12 leaves again: flagged, not stored twice
+    assert s.n == 41 and not s.on_device[ids[0]] and t.rows_out == 41
+    assert t.heads[0][0].n == 0 and t.n_rows == 41
+
+
+def test_page_bounds_bound_every_key_of_the_page_and_are_reached():
+    rng = np.random.default_rng(1)
+    t = tier()
+    k, _ = add(t, rng, 0, 1, np.arange(5 * PAGE + 3))
+    s = t.heads[0][1]
+    q = rng.standard_normal((6, D)).astype(np.float32)
+    bounds = s.page_bounds(q)
+    assert len(bounds) == s.n_pages == 6
+    exact = q @ k.astype(np.float32).T  # [6, n]
+    for p in range(s.n_pages):
+        best = exact[:, p * PAGE:(p + 1) * PAGE].max()
+        assert bounds[p] >= best - 1e-4
+    # the negative control: min and max swapped is not a bound
+    wrong = (np.maximum(q, 0) @ s.kmin[:6].T + np.minimum(q, 0) @ s.kmax[:6].T).max(axis=0)
+    assert (wrong < exact.reshape(6, -1).max(axis=0)[::PAGE][:6] - 1e-3).any() or (wrong < bounds - 1e-3).any()
+
+
+def test_truncate_and_sync_follow_a_restored_engine():
+    rng = np.random.default_rng(2)
+    t = tier(n_layer=1, hkv=1)
+    add(t, rng, 0, 0, np.arange(20))
+    mark = t.mark_of()
+    add(t, rng, 0, 0, np.arange(20, 30))
+    t.truncate(mark)
+    assert t.heads[0][0].n == 20
+    t.sync(np.array([[[3, 4, -1, 100]]]))
+    assert list(np.flatnonzero(t.heads[0][0].on_device[:20])) == [3, 4]
+
+
+def test_memory_cap_drops_what_does_not_fit_and_counts_it():
+    rng = np.random.default_rng(3)
+    row = 2 * D * 2
+    t = tier(n_layer=1, hkv=2, mem_limit=CHUNK * row + 1)  # one block: head 0's, head 1 gets none
+    add(t, rng, 0, 0, np.arange(10))
+    add(t, rng, 0, 1, np.arange(10))
+    assert t.heads[0][0].n == 10 and t.heads[0][1].n == 0 and t.dropped_rows == 10
+    add(t, rng, 0, 0, np.arange(10, CHUNK + 5))
+    assert t.heads[0][0].n == CHUNK and t.dropped_rows == 15 and t.pool.ram_bytes == CHUNK * row
+
+
+def test_spill_file_takes_what_ram_does_not(tmp_path):
+    rng = np.random.default_rng(4)
+    t = tier(n_layer=1, hkv=1, mem_limit=CHUNK * 2 * D * 2, spill_dir=tmp_path)
+    k, v = add(t, rng, 0, 0, np.arange(3 * CHUNK))
+    s = t.heads[0][0]
+    assert s.n == 3 * CHUNK and t.dropped_rows == 0
+    assert t.pool.file_bytes == 2 * CHUNK * 2 * D * 2 and t.pool.ram_bytes == CHUNK * 2 * D * 2 and t.nbytes > t.pool.nbytes
+    got_k, got_v = s.rows(np.arange(s.n))
+    np.testing.assert_array_equal(got_k, k)
+    np.testing.assert_array_equal(got_v, v)
+    assert os.listdir(tmp_path) == []  # the file is unlinked at once: nothing is left behind
+    t.close()
+
+
+def test_bad_settings_are_one_clear_error(tmp_path):
+    with pytest.raises(UsageError, match="below one block"):
+        tier(mem_limit=100)
+    with pytest.raises(UsageError, match="no such folder"):
+        tier(mem_limit=CHUNK * 64, spill_dir=tmp_path / "missing")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    if os.access(ro, os.W_OK):  # root writes anywhere but in sysfs
+        ro = "/sys"
+    try:
+        with pytest.raises(UsageError, match="not writable"):
+            tier(mem_limit=CHUNK * 64, spill_dir=ro)
+    finally:
+        (tmp_path / "ro").chmod(0o700)
+    assert parse_size("512M") == 512 << 20 and parse_size("1.5GiB") == int(1.5 * (1 << 30)) and parse_size("4096") == 4096
+    for bad in ("lots", "-1G", "0"):
+        with pytest.raises(UsageError, match="--recall-mem"):
+            parse_size(bad)
+
+
+def test_a_saved_tier_loads_back_identical():
+    rng = np.random.default_rng(5)
+    t = tier()
+    add(t, rng, 0, 1, np.arange(40), vnorm=np.arange(40, dtype=np.float32))
+    add(t, rng, 1, 0, np.arange(7))
+    t.mark(0, 1, np.array([3, 4]))
+    a = t.to_arrays()
+    u = tier()
+    u.load_arrays(a)
+    for l in range(2):
+        for h in range(2):
+            s, r = t.heads[l][h], u.heads[l][h]
+            assert s.n == r.n
+            np.testing.assert_array_equal(s.pos[:s.n], r.pos[:r.n])
+            np.testing.assert_array_equal(s.on_device[:s.n], r.on_device[:r.n])
+            np.testing.assert_array_equal(s.rows(np.arange(s.n))[1], r.rows(np.arange(r.n))[1])
+            np.testing.assert_array_equal(s.kmax[:s.n_pages], r.kmax[:r.n_pages])
+    with pytest.raises(UsageError, match="does not fit"):
+        tier(hkv=3).load_arrays(a)
