@@ -71,6 +71,7 @@ class ChatStats:
     budget_cells: int
     kv_bytes: int  # K/V bytes llama.cpp allocated for this chat (both caches of a sliding-window model)
     kv_bytes_full: int  # what a stock llama.cpp cache for tokens_seen would allocate
+    host_tier_bytes: int  # the recall tier's host memory (0 with recall off)
     compression_events: int
     repositions: int  # times positions were moved back under the trained context
     prompt_tokens_per_s: float  # the last turn (or read) alone
@@ -221,6 +222,7 @@ class Chat:
                 tokens_seen=seen, kv_tokens_kept=s.kv_cells_live, kv_cells_allocated=s.n_ctx, budget_cells=e.budget_cells,
                 kv_bytes=s.kv_bytes_allocated, kv_bytes_full=sum(kv_cache_bytes(self.model, pad_cells(max(seen, 1)), bias=False,
                                                                  bytes_per_elem=self.engine.bytes_per_value)),
+                host_tier_bytes=s.host_tier_bytes,
                 compression_events=s.compression_events, repositions=s.repositions,
                 prompt_tokens_per_s=self._turn_rates[0], gen_tokens_per_s=self._turn_rates[1],
                 method=self.settings.method, budget=self.settings.budget)
@@ -232,6 +234,7 @@ class Chat:
         mib = 2**20
         return (f"[ prompt {s.prompt_tokens_per_s:,.0f} t/s | gen {s.gen_tokens_per_s:,.0f} t/s | KV {s.kv_tokens_kept:,} of "
                 f"{s.tokens_seen:,} tokens kept · {s.kv_bytes / mib:,.0f} MiB (full: {s.kv_bytes_full / mib:,.0f} MiB)"
+                + (f" · recall tier {s.host_tier_bytes / mib:,.0f} MiB" if s.host_tier_bytes else "")
                 + (f" · positions moved ×{s.repositions}" if s.repositions else "") + " ]")
 
     # -- saving ---------------------------------------------------------------------------------------

@@ -100,7 +100,8 @@ class Engine:
         recall: bool = False,
         recall_mem: int | None = None,
         recall_dir: str | None = None,
-        recall_span: str = "page",
+        recall_span: str = "row",
+        recall_candidates: float = 4.0,
     ):
         budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
         self.cfg = EngineConfig(budget, method, chunk, window, n_sink, max_tokens)
@@ -160,6 +161,8 @@ class Engine:
         if recall_span not in ("page", "row"):
             raise UsageError(f"recall_span {recall_span!r}: choose page or row")
         self.recall_span = recall_span
+        # tier rows scored exactly per head at a question, as a multiple of the budget (the best pages by bound)
+        self.recall_candidates = float(recall_candidates)
         self.tier = HostTier(len(self.layers), m.n_head_kv, row_format(type_k, m.arch.head_dim_k),
                              row_format(type_v, m.arch.head_dim_v), m.arch.head_dim_k, recall_mem,
                              recall_dir) if recall else None
@@ -502,7 +505,7 @@ class Engine:
         read = self._read()
         w = observation_window(self.scorer) or len(probe)
         cands = choose_candidates(self.tier, [self.basis.queries(qi[:, -w:] * self._q_scale) for qi in q],
-                                  self.budget_cells)
+                                  int(self.recall_candidates * self.budget_cells))
         if cands.width == 0:
             return 0
         union = with_candidates(read, self.tier, cands, self.recall_span)

@@ -8,11 +8,12 @@ import sys
 import time
 from pathlib import Path
 
+from kvlocal.compress import MERGING_METHODS
 from kvlocal.errors import UsageError
 from kvlocal.eval.runner import CACHES, EVICTION, KV_BASELINES, OBSERVATIONS, execute, plan, split_method
 from kvlocal.eval.tasks import TASKS
 
-METHOD_CHOICES = (*EVICTION, *KV_BASELINES)
+METHOD_CHOICES = (*EVICTION, *(f"{m}+recall" for m in EVICTION if m not in MERGING_METHODS), *KV_BASELINES)
 DEFAULTS = {"models": ["smollm2-135m"], "methods": ["streaming", "snapkv", "criticalkv", *KV_BASELINES,
                                                     "snapkv@kv-q8_0", "criticalkv@kv-q8_0"],
             "budgets": ["0.05", "0.1", "0.2", "0.4"], "tasks": list(TASKS), "tokens": 2048, "items": None}

@@ -14,7 +14,8 @@ from pathlib import Path
 
 COLUMNS = ["model", "model_sha256", "task", "method", "budget", "observation", "seed", "n_tokens", "prompt_tokens",
            "score", "full_score", "loss", "mean_kl", "kv_bytes_allocated", "kv_bytes_full", "budget_cells", "n_ctx",
-           "compression_events", "prefill_seconds", "compression_seconds", "seconds", "command"]
+           "compression_events", "prefill_seconds", "compression_seconds", "host_tier_bytes", "recall_seconds",
+           "recall_rows_in", "seconds", "command"]
 
 
 def load(path: Path) -> list[dict]:
@@ -145,6 +146,24 @@ def targets(records: list[dict]) -> str:
             lines.append(f"- {model} · criticalkv+kvslimmer's loss below both parents' somewhere: "
                          + ", ".join(f"{b:g}: {_fmt(c)} vs {_fmt(p1)} / {_fmt(p2)}" for b, c, p1, p2 in trip) + f" — {_verdict(ok)}")
         q4 = by.get(("full-kv-q4_0", 1.0, "-"))
+        kl4 = figures(q4)[0] if q4 else None
+        full_ret = figures(by.get(("full", 1.0, "-"), []))[1] if by.get(("full", 1.0, "-")) else None
+        for method in sorted({m for (m, _, _) in by if "+recall" in m}):
+            plain = method.replace("+recall", "")
+            for b in sorted({b for (m, b, _) in by if m == method}):
+                runs = [r for (m, bb, o), rr in by.items() if m == method and bb == b and o in ("question", "chat", "-")
+                        for r in rr]
+                base = [r for (m, bb, o), rr in by.items() if m == plain and bb == b and o in ("question", "chat", "-")
+                        for r in rr]
+                kl, ret, nbytes = figures(runs)
+                base_bytes = max((r["kv_bytes_allocated"] for r in base), default=None)
+                loss_ = None if None in (ret, full_ret) or not full_ret else (full_ret - ret) / full_ret
+                ok = None if None in (loss_, kl, kl4) else loss_ <= 0.05 and kl < kl4 and (base_bytes in (None, nbytes))
+                tier = max((r.get("host_tier_bytes", 0) for r in runs), default=0)
+                lines.append(f"- {model} · {method} at {b:g}: retrieval {_fmt(ret)} vs the full cache's {_fmt(full_ret)} "
+                             f"(loss {_fmt(loss_)}, target ≤ 0.05), KL {_fmt3(kl)} vs full-kv-q4_0's {_fmt3(kl4)}, device KV "
+                             f"{nbytes / 2**20:.1f} MiB" + (f" ({plain}: {base_bytes / 2**20:.1f})" if base_bytes else "")
+                             + f", host tier {tier / 2**20:.1f} MiB — {_verdict(ok)}")
         if not q4:
             continue
         kl4, ret4, bytes4 = figures(q4)
@@ -204,7 +223,8 @@ COLORS = {"full": "black", "full-q8_0": "tab:orange", "full-q4_0": "tab:brown", 
           "full-kv-q4_0": "tab:pink", "streaming": "tab:green",
           "snapkv": "tab:blue", "criticalkv": "tab:red", "snapkv@kv-q8_0": "tab:cyan", "criticalkv@kv-q8_0": "tab:purple",
           "adakv": "tab:olive", "criticalkv+adakv": "tab:gray", "meanmerge": "lightgreen", "kvslimmer": "darkgreen",
-          "criticalkv+kvslimmer": "darkred", "defensivekv": "tab:orange"}
+          "criticalkv+kvslimmer": "darkred", "defensivekv": "tab:orange", "criticalkv+recall": "crimson",
+          "criticalkv+recall@kv-q8_0": "darkviolet", "snapkv+recall": "navy"}
 DASHES = {"agnostic": "--"}  # question-aware and query-free methods: solid
 
 

@@ -10,7 +10,10 @@ Every task also runs on the full F16 cache (``full``, the reference of compressi
 continuation metrics). The memory baselines compression must beat at equal KV bytes: ``full-kv-q8_0``
 and ``full-kv-q4_0`` are the full cache with K and V quantized (llama.cpp's ``-ctk``/``-ctv``; a
 quantized V cache runs with flash attention), ``full-q8_0`` and ``full-q4_0`` with K alone (``-ctk``).
-Compression on such a cache is ``METHOD@CACHE`` (``criticalkv@kv-q8_0``: eviction of q8_0 rows).
+Compression on such a cache is ``METHOD@CACHE`` (``criticalkv@kv-q8_0``: eviction of q8_0 rows). With
+the recall tier, ``METHOD+recall`` (``criticalkv+recall``, ``criticalkv+recall@kv-q8_0``): evicted rows
+wait on the host and the question re-selects the cache before it is decoded, as ``kvlocal run`` and a chat
+do; without the suffix a method runs with recall off.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import numpy as np
 from kvlocal.engine import Engine
 from kvlocal.models import cache_dir, sha256_file
 from kvlocal.runtime import Model
-from kvlocal.compress import METHODS
+from kvlocal.compress import MERGING_METHODS, METHODS
 from kvlocal.runtime import Sampler
 from kvlocal.chat.session import ChatSession
 from kvlocal.eval.metrics import compare_logits
@@ -43,14 +46,22 @@ KV_BASELINES = {f"full-{c}": types for c, types in CACHES.items()}
 EVICTION = tuple(m for m in METHODS if m != "full")
 
 
-def split_method(name: str) -> tuple[str, tuple[int | None, int | None]]:
-    """A method as the eval names it → (the engine's method, (type_k, type_v)); ValueError if unknown."""
+RECALL = "+recall"  # the suffix of a method run with the recall tier
+
+
+def split_method(name: str) -> tuple[str, tuple[int | None, int | None], bool]:
+    """A method as the eval names it → (the engine's method, (type_k, type_v), recall); ValueError if
+    unknown (or recall with a merging method, which the engine refuses)."""
     if name in KV_BASELINES:
-        return "full", KV_BASELINES[name]
+        return "full", KV_BASELINES[name], False
     method, _, cache = name.partition("@")
-    if not (method in EVICTION or method == "full" and not cache) or (cache and cache not in CACHES):
+    recall = method.endswith(RECALL)
+    method = method.removesuffix(RECALL)
+    if not (method in EVICTION or method == "full" and not cache and not recall) or (cache and cache not in CACHES):
         raise ValueError(name)
-    return method, CACHES[cache] if cache else (None, None)
+    if recall and method in MERGING_METHODS:
+        raise ValueError(name)
+    return method, CACHES[cache] if cache else (None, None), recall
 QUERY_FREE = ("streaming",)  # methods that never look at the probe: one observation mode, "-"
 OBSERVATIONS = ("question", "agnostic")
 N_FORCED = 64  # continuation: tokens of real text forced after the prompt
@@ -136,9 +147,9 @@ class Runner:
         return self._items[k]
 
     def engine(self, spec: Spec, max_tokens: int) -> Engine:
-        method, (type_k, type_v) = split_method(spec.method)
+        method, (type_k, type_v), recall = split_method(spec.method)
         return Engine(self.model, "1" if method == "full" else spec.budget, method, max_tokens=max_tokens,
-                      n_threads=self.n_threads, type_k=type_k, type_v=type_v)
+                      n_threads=self.n_threads, type_k=type_k, type_v=type_v, recall=recall)
 
     def run(self, spec: Spec, n_items: int | None = None) -> dict:
         """One spec over its task's items -> the record (without the command)."""
@@ -159,6 +170,9 @@ class Runner:
                "compression_events": sum(s["compression_events"] for s in stats),
                "prefill_seconds": sum(s["prefill_seconds"] for s in stats),
                "compression_seconds": sum(s["compression_seconds"] for s in stats),
+               "host_tier_bytes": max(s["host_tier_bytes"] for s in stats),
+               "recall_seconds": sum(s["recall_seconds"] for s in stats),
+               "recall_rows_in": sum(s["recall_rows_in"] for s in stats),
                "seconds": time.perf_counter() - t0, "items": results}
         if spec.task == "continuation":
             rec["mean_kl"] = float(np.mean([r["mean_kl"] for r in results]))
@@ -187,7 +201,7 @@ class Runner:
                       "reply": replies, "expected": item.expected}
         else:
             eng = self.engine(spec, len(tokens) + item.n_generate)
-            eng.prefill(tokens, probe=probe)
+            read_prompt(eng, tokens, probe)
             reply = m.detokenize(list(eng.generate(item.n_generate)))
             result = {"item": item.name, "score": score(item, reply), "reply": reply, "expected": item.expected}
         s = eng.stats.as_dict()
@@ -206,13 +220,22 @@ class Runner:
         """[len(forced), V]: the next-token logits after the prompt and after each forced token. The forced
         tokens go straight into the context's free cells (the engine leaves chunk + window of them after
         the final compression), so no compression event falls inside the continuation."""
-        first = eng.prefill(tokens, probe=probe)
+        first = read_prompt(eng, tokens, probe)
         rest = eng.ctx.decode(forced[:-1], range(eng.n_past, eng.n_past + len(forced) - 1), "all")
         return np.concatenate([first[None], rest])
 
     def _full_logits(self, spec: Spec, tokens, forced) -> np.ndarray:
         ref = Spec(spec.model, spec.task, "full", 1.0, "-", spec.seed, spec.n_tokens)
         return self._forced_logits(self.engine(ref, len(tokens) + len(forced)), tokens, None, forced)
+
+
+def read_prompt(eng: Engine, tokens: list[int], probe, tail: int = 32) -> np.ndarray:
+    """Prefill a prompt that ends with its question; with a recall tier, as ``kvlocal run`` does: the
+    prompt's last ``tail`` tokens are decoded after the cache was re-selected for the probe."""
+    if eng.tier is None or len(tokens) <= tail:
+        return eng.prefill(tokens, probe=probe)
+    eng.prefill(tokens[:-tail], probe=probe)
+    return eng.append(tokens[-tail:], probe=probe, recall=True)
 
 
 def execute(specs: Iterable[Spec], paths: dict[str, Path], out: Path, command: str, n_threads: int | None,

@@ -39,7 +39,8 @@ import sys
 from pathlib import Path
 
 from kvlocal.errors import UsageError
-from kvlocal.options import add_budget_args, add_llama_args, add_model_arg, add_sampling_args, sampler_from_args
+from kvlocal.options import (add_budget_args, add_llama_args, add_model_arg, add_sampling_args, check_llama_args,
+                             recall_args, sampler_from_args)
 from kvlocal.server.app import _bind, _serve, create_app
 from kvlocal.server.worker import DEFAULT_CACHE_CHATS, DEFAULT_CACHE_MIB, Worker
 
@@ -71,6 +72,7 @@ def run(args) -> int:
     from kvlocal.runtime import Model
 
     _check_args(args)
+    check_llama_args(args)
     sampler_from_args(args).close()  # the default sampling flags, checked (UsageError names the flag)
     sock, url, loopback = _bind(args.host, args.port)
     model = worker = None
@@ -82,7 +84,7 @@ def run(args) -> int:
         worker = Worker(model, model_id, chat_options=dict(
             budget=args.budget, method=args.method, ctx_size=args.ctx_size, chunk=args.chunk, window=args.window,
             max_reply=args.n_predict, flash_attn=args.flash_attn, n_threads=args.threads,
-            cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, backend=args.backend),
+            cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, backend=args.backend, **recall_args(args)),
             defaults=dict(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                           seed=None if args.seed == -1 else args.seed),
@@ -130,7 +132,5 @@ def _check_args(args) -> None:
         raise UsageError("-n/--n-predict must be at least 1")
     if args.chunk < 1 or args.window < 1:
         raise UsageError("--chunk and --window must be at least 1")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError("-t/--threads must be at least 1")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key is empty: give a key, or leave the flag out")

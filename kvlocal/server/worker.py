@@ -82,12 +82,7 @@ class Worker:
     def new_chat(self, system: str | None):
         from kvlocal.chat import Chat
 
-        o = self.chat_options
-        return Chat(self.model, o["budget"], o["method"], system=system, ctx_size=o.get("ctx_size", 0),
-                    chunk=o.get("chunk", 128), window=o.get("window", 32), max_reply=o.get("max_reply", 512),
-                    flash_attn=o.get("flash_attn", False), n_threads=o.get("n_threads"),
-                    cache_type_k=o.get("cache_type_k", "f16"), cache_type_v=o.get("cache_type_v", "f16"),
-                    backend=o.get("backend", "auto"))
+        return Chat(self.model, system=system, **self.chat_options)  # chat_options: Chat's keywords
 
     def submit(self, job: Job) -> concurrent.futures.Future:
         with self._count:
@@ -169,7 +164,8 @@ class Worker:
                   "bytes_full": st.kv_bytes_full, "method": st.method, "budget": st.budget,
                   "budget_cells": st.budget_cells, "cache_reused": reused > 0, "tokens_reused": reused,
                   "compression_events": st.compression_events, "backend": s.backend,
-                  "host_kv_bytes": s.host_kv_bytes}
+                  "host_kv_bytes": s.host_kv_bytes, "host_tier_bytes": s.host_tier_bytes,
+                  "recall_rows_in": s.recall_rows_in}
         except (_Gone, _ShuttingDown):
             if mode == "continue":  # stopped while the new message was read: Chat put itself back as it was
                 self.cache.put(job.key[:-1], chat, chat.stats.kv_bytes)
