@@ -47,9 +47,9 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
                    help="where compression runs: native = on the device that holds the cache (patched llama.cpp; "
                         "eviction methods, unquantized caches), state = K/V read to the host (every method); "
                         "default auto: native when the model is offloaded to a GPU (-ngl), else state")
-    p.add_argument("--recall", default="on", choices=("on", "off"),
-                   help="the recall tier (default on): rows evicted from the KV cache wait in host memory, and each "
-                        "new question brings back the ones it needs (eviction methods; the state backend)")
+    p.add_argument("--recall", default="auto", choices=("on", "off", "auto"),
+                   help="the recall tier: rows evicted from the KV cache wait in host memory, and each new question "
+                        "brings back the ones it needs (default auto: on for the eviction methods, off for merging)")
     p.add_argument("--recall-mem", metavar="SIZE", default=None,
                    help="host RAM the recall tier may use (e.g. 2G; default: no limit); past it, --recall-dir or drop")
     p.add_argument("--recall-dir", metavar="DIR", default=None,
@@ -98,7 +98,7 @@ def recall_args(args) -> dict:
     mem = None if args.recall_mem is None else parse_size(args.recall_mem)
     if args.recall_dir is not None and args.recall == "off":
         raise UsageError("--recall-dir has no effect with --recall off: leave it out, or turn recall on")
-    return dict(recall=args.recall == "on", recall_mem=mem, recall_dir=args.recall_dir)
+    return dict(recall={"on": True, "off": False}.get(args.recall), recall_mem=mem, recall_dir=args.recall_dir)
 
 
 def engine_from_args(args, model, max_tokens: int):

@@ -58,7 +58,7 @@ class ChatSettings:
     cache_type_k: str = "f16"  # llama.cpp's -ctk / -ctv names
     cache_type_v: str = "f16"
     backend: str = "auto"  # where compression runs: native, state or auto (the engine's backend=)
-    recall: bool = True  # the recall tier: evicted rows kept on the host, brought back for each question
+    recall: bool | None = None  # the recall tier (None: on for eviction methods): evicted rows kept on the host
     recall_mem: int | None = None  # bytes of RAM the tier may use (None: no limit)
     recall_dir: str | None = None  # a folder for the tier's memory-mapped file past recall_mem
 
@@ -101,7 +101,7 @@ class Chat:
         cache_type_k: str = "f16",
         cache_type_v: str = "f16",
         backend: str = "auto",
-        recall: bool = True,
+        recall: bool | None = None,
         recall_mem: int | str | None = None,
         recall_dir: str | os.PathLike | None = None,
     ):
@@ -110,7 +110,7 @@ class Chat:
         if isinstance(recall_mem, str):
             recall_mem = parse_size(recall_mem)
         settings = ChatSettings(str(Budget.parse(budget)), method, ctx_size, chunk, window, flash_attn, system, max_reply,
-                                cache_type_k.lower(), cache_type_v.lower(), backend, bool(recall), recall_mem,
+                                cache_type_k.lower(), cache_type_v.lower(), backend, recall, recall_mem,
                                 None if recall_dir is None else os.fspath(recall_dir))
         if isinstance(model, Model):
             self.model, self._own_model = model, False

@@ -97,7 +97,7 @@ class Engine:
         type_v: int | None = None,
         endless: bool = False,
         backend: str = "auto",
-        recall: bool = False,
+        recall: bool | None = False,
         recall_mem: int | None = None,
         recall_dir: str | None = None,
         recall_span: str = "row",
@@ -107,6 +107,8 @@ class Engine:
         self.cfg = EngineConfig(budget, method, chunk, window, n_sink, max_tokens)
         self.cfg.validate()
         self.scorer = make_scorer(method)
+        if recall is None:  # auto: on for the eviction methods (merged rows cannot come back one by one)
+            recall = not self.scorer.merges
         recall = recall and method != "full"  # the full cache evicts nothing
         if recall and self.scorer.merges:
             raise UsageError(f"--recall on does not work with --method {method}: a merged row stands for several tokens, "
