@@ -21,7 +21,6 @@ The policy — every test file follows it:
 from __future__ import annotations
 
 import hashlib
-import importlib
 import os
 import subprocess
 import sys
@@ -30,26 +29,9 @@ from pathlib import Path
 
 import pytest
 
+from policy import missing, under_ci
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def under_ci() -> bool:
-    return os.environ.get("CI", "").lower() == "true"
-
-
-def missing(reason: str):
-    """Policy 2: skip with the reason locally, fail under CI."""
-    if under_ci():
-        pytest.fail(f"{reason} (CI=true: everything must run)")
-    pytest.skip(reason)
-
-
-def need(module: str, extra: str = "test"):
-    """Import an optional package a test needs (``openai``, ``torch``), or skip/fail by policy 2."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        missing(f"{module} is not installed ({e}): pip install -e '.[{extra}]'")
 
 
 def pulled(name: str) -> Path:
@@ -63,7 +45,6 @@ def pulled(name: str) -> Path:
         missing(f"{name} cannot be had: {e}")
 
 
-_pulled = pulled
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +59,7 @@ def stock_runtime() -> Path:
     target = cache_dir() / "stock-runtime"
     if not (target / "llama_cpp").is_dir():
         cmd = [sys.executable, str(REPO / "ggml_patches" / "build.py"), "--stock", str(target)]
-        if os.environ.get("CI", "").lower() != "true" and os.environ.get("KVLOCAL_BUILD_STOCK") != "1":
+        if not under_ci() and os.environ.get("KVLOCAL_BUILD_STOCK") != "1":
             pytest.skip(f"no unpatched runtime to compare with: run `{' '.join(cmd)}` (or set KVLOCAL_BUILD_STOCK=1)")
         subprocess.run(cmd, check=True, timeout=3600)
     return target
@@ -86,17 +67,17 @@ def stock_runtime() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    return _pulled("smollm2-135m")
+    return pulled("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def qwen() -> Path:
-    return _pulled("qwen2.5-coder-0.5b")
+    return pulled("qwen2.5-coder-0.5b")
 
 
 @pytest.fixture(scope="session")
 def gemma3() -> Path:
-    return _pulled("gemma3-270m")
+    return pulled("gemma3-270m")
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvlocal.runtime import Context, Model
+from policy import need
 from kvlocal.runtime.capture import GgmlTensorHead, QueryCapture, ggml
 
 
@@ -223,28 +224,18 @@ def test_queries_reproduce_kq_soft_max_llama(smollm2_model):
     print("max abs error per layer:", _softmax_check(smollm2_model, layers=[0, 15, 29]))
 
 
-@pytest.fixture(scope="module")
-def qwen2_model():
-    from kvlocal.models import pull
-
-    return Model(pull("qwen2.5-coder-0.5b", quiet=True))
-
-
 @pytest.mark.slow
-def test_queries_reproduce_kq_soft_max_qwen2(qwen2_model):
+def test_queries_reproduce_kq_soft_max_qwen2(qwen_model):
     """qwen2 adds a bias: Qcur-N is MUL_MAT, ADD, RESHAPE, ROPE — still the ROPE one is taken."""
-    print("max abs error per layer:", _softmax_check(qwen2_model, layers=[0, qwen2_model.n_layer // 2], n_first=12, n_second=8, n_last=4))
+    print("max abs error per layer:", _softmax_check(qwen_model, layers=[0, qwen_model.n_layer // 2], n_first=12, n_second=8, n_last=4))
 
 
 @pytest.mark.slow
 def test_queries_match_reference_model(smollm2_model, smollm2):
     """The PyTorch reference forward (dequantized weights, f32 activations) gives the same queries up to
     quantization noise."""
-    torch = pytest.importorskip("torch")
-    try:
-        from kvlocal.reference import Transformer
-    except ImportError as e:
-        pytest.skip(f"kvlocal.reference unavailable: {e}")
+    torch = need("torch")
+    from kvlocal.reference import Transformer
     m = smollm2_model
     toks = _tokens(m, 24)
     cap = QueryCapture.for_model(m)

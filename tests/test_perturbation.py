@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from conftest import assert_usage_error, run_cli
+from policy import need
 
-torch = pytest.importorskip("torch")
+torch = need("torch")
 
 N_TOKENS = 512
 

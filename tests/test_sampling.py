@@ -95,6 +95,8 @@ def test_bad_parameters_name_themselves():
 
 def test_close_frees_once():
     s = Sampler(temp=0.7, seed=1)
-    s(np.zeros(10, dtype=np.float32))
+    assert 0 <= s(np.zeros(10, dtype=np.float32)) < 10
     s.close()
+    assert not s._chain  # freed, and forgotten: a second close frees nothing twice
     s.close()
+    assert not s._chain

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, need
+from conftest import REPO
+from policy import need
 
 try:
     import httpx

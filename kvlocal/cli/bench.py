@@ -7,6 +7,11 @@ One run, one runtime, the same prompt: every figure is a ratio of two measuremen
   - K/V bytes compression copied to the host, per backend                  (0 on native)
 The compressed run is repeated on each KV backend (``--backends``, default native and state where the
 runtime has both): the same prompt, method and budget.
+
+``--recall-cost`` measures the recall tier instead, per document length (``--contexts``): the document is
+read with recall on, then one question re-selects the cache (:meth:`kvlocal.engine.Engine.recall`); its
+seconds (the question's probe decode included) as a share of the document's prefill (target <= 3%), the
+rows that crossed, and the host tier's bytes next to the device's KV bytes.
 """
 
 from __future__ import annotations
@@ -59,6 +64,10 @@ def run(args) -> int:
     if args.n_gpu_layers < -1:
         raise UsageError(f"-ngl/--n-gpu-layers {args.n_gpu_layers}: give a number of layers, 0 for none or -1 for all")
     model = Model(args.model_path, n_gpu_layers=args.n_gpu_layers)
+    if args.recall_cost:
+        if any(n < 256 for n in args.contexts):
+            raise UsageError("--contexts: give document lengths of at least 256 tokens")
+        return run_recall_cost(args, model)
     backends = args.backends or default_backends(args.method)
     long = long_text(model, args.long)
 
@@ -109,6 +118,45 @@ def run(args) -> int:
     return 0
 
 
+QUESTION = "\n\nQuestion: which obligations does the text above put on someone who conveys the work?\nAnswer:"
+
+
+def run_recall_cost(args, model: Model) -> int:
+    """``--recall-cost``: one question's re-selection against the document's prefill, per length."""
+    rows = []
+    question = model.tokenize(QUESTION, add_special=False)
+    for n in args.contexts:
+        print(f"reading {n:,} tokens with recall on, then one question", file=sys.stderr, flush=True)
+        tokens = long_text(model, n)
+        eng = Engine(model, Budget.parse(args.budget), args.method, max_tokens=n + len(question) + 8,
+                     n_threads=args.threads, recall=True)
+        eng.prefill(tokens)  # a document read before any question: the generic probe
+        s = eng.stats
+        out0, in0 = s.recall_rows_out, s.recall_rows_in
+        t0 = time.perf_counter()
+        eng.recall(question)
+        seconds = time.perf_counter() - t0
+        rows.append(dict(tokens=n, prefill_seconds=s.prefill_seconds, recall_seconds=seconds,
+                         share=seconds / s.prefill_seconds, rows_in=s.recall_rows_in - in0,
+                         rows_out=s.recall_rows_out - out0, candidates=s.recall_candidates,
+                         host_tier_bytes=s.host_tier_bytes, kv_bytes_allocated=s.kv_bytes_allocated,
+                         budget_cells=s.budget_cells, compression_events=s.compression_events))
+        eng.tier.close()
+    if args.json:
+        print(json.dumps({"recall": rows}, indent=1))
+        return 0
+    mib = 2**20
+    print(f"model {model.path.name} · method {args.method} · budget {args.budget} · one question after the document · "
+          f"threads {args.threads or 'default'}")
+    print(f"{'tokens':>8} {'budget':>7} {'prefill s':>10} {'recall s':>9} {'share':>7} {'scored':>8} {'rows in':>8} "
+          f"{'rows out':>9} {'tier MiB':>9} {'KV MiB':>7}   target: share <= 3%")
+    for r in rows:
+        print(f"{r['tokens']:>8,} {r['budget_cells']:>7,} {r['prefill_seconds']:>10.1f} {r['recall_seconds']:>9.2f} "
+              f"{100 * r['share']:>6.2f}% {r['candidates']:>8,} {r['rows_in']:>8,} {r['rows_out']:>9,} "
+              f"{r['host_tier_bytes'] / mib:>9.1f} {r['kv_bytes_allocated'] / mib:>7.1f}")
+    return 0
+
+
 def add_arguments(p) -> None:
     p.add_argument("model", nargs="?", default=None, help="a .gguf file or known model (default smollm2-135m)")
     p.add_argument("--budget", default="0.1")
@@ -120,3 +168,8 @@ def add_arguments(p) -> None:
     p.add_argument("--backends", nargs="+", choices=("native", "state"), default=None,
                    help="the KV backends to run the compressed prompt on (default: native and state where both run)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--recall-cost", action="store_true",
+                   help="measure one question's re-selection by the recall tier against the document's prefill, "
+                        "per --contexts length (target <= 3%%), instead of the backends")
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384], metavar="N",
+                   help="document lengths for --recall-cost (default 4096 8192 16384)")

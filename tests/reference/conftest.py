@@ -1,8 +1,8 @@
 """Fixtures of the reference tests: tiny generated GGUF models (four architectures × five weight types),
-SmolLM2-135M Q4_1 and Gemma 3 270M Q4_K_M, each loaded once per session.
+the PyTorch reference of SmolLM2-135M Q4_1, and llama.cpp logits for a token sequence.
 
-The tests run llama.cpp for real (no mocks). SmolLM2 is $KVLOCAL_TEST_SMOLLM2 if set, Gemma 3
-$KVLOCAL_TEST_GEMMA3, else the copy in kvlocal's model cache, pulled on first use (``kvlocal.models.pull``).
+The tests run llama.cpp for real (no mocks). The real models are the suite's own fixtures (tests/conftest.py:
+``smollm2``, ``smollm2_model``, ``gemma3``: pulled and loaded once per session).
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch and ggml start OpenMP; see verify.run
-import torch  # noqa: E402
+from policy import need  # noqa: E402
+
+torch = need("torch")  # the reference is PyTorch: skip locally, fail under CI
 
 sys.path.insert(0, str(Path(__file__).parent))  # tiny_gguf, whatever pytest's import mode
 
@@ -26,19 +28,6 @@ import tiny_gguf  # noqa: E402
 torch.set_num_threads(1)
 
 GGML_TYPE_F32 = 0
-
-
-def model_path(name: str = "smollm2-135m", env_var: str = "KVLOCAL_TEST_SMOLLM2") -> Path | None:
-    env = os.environ.get(env_var)
-    candidates = [Path(env)] if env else []
-    from kvlocal.models import pull  # the user's model cache; downloaded on first use
-
-    candidates.append(pull(name, quiet=True))
-    return next((p for p in candidates if p.is_file()), None)
-
-
-def smollm2_path() -> Path | None:
-    return model_path("smollm2-135m", "KVLOCAL_TEST_SMOLLM2")
 
 
 def _llama_logits(model, tokens, positions=None, rope_freq_base: float = 0.0) -> np.ndarray:
@@ -84,22 +73,6 @@ def sample_text() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2() -> Path:
-    path = smollm2_path()
-    if path is None:
-        pytest.skip("SmolLM2-135M not found (set KVLOCAL_TEST_SMOLLM2 to its .gguf path)")
-    return path
-
-
-@pytest.fixture(scope="session")
-def gemma3() -> Path:
-    path = model_path("gemma3-270m", "KVLOCAL_TEST_GEMMA3")
-    if path is None:
-        pytest.skip("Gemma 3 270M not found (set KVLOCAL_TEST_GEMMA3 to its .gguf path)")
-    return path
-
-
-@pytest.fixture(scope="session")
 def smollm2_ref(smollm2):
     from kvlocal.reference import Transformer
 
@@ -107,10 +80,9 @@ def smollm2_ref(smollm2):
 
 
 @pytest.fixture(scope="session")
-def smollm2_llama(smollm2):
-    from kvlocal.runtime import Model
-
-    return Model(smollm2)
+def smollm2_llama(smollm2_model):
+    """SmolLM2 as llama.cpp loaded it: the suite's one copy (tests/conftest.py)."""
+    return smollm2_model
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,9 @@
 
 import math
 
-import torch
+from policy import need
+
+torch = need("torch")  # the PyTorch reference: skip locally, fail under CI
 
 from kvlocal.reference.cache import LayerKV, attend
 

@@ -102,4 +102,5 @@ def test_claimed_types_are_gguf_dequantizable():
     name: test_model.py::test_unsupported_quant_type)."""
     for qtype in CLAIMED:
         block, size = gguf.GGML_QUANT_SIZES[qtype]
-        dequantize(np.zeros(size, dtype=np.uint8), qtype)
+        out = dequantize(np.zeros(size, dtype=np.uint8), qtype)
+        assert out.size == block and not np.any(out), qtype  # one block of zeros is block zeros
