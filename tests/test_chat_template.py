@@ -159,7 +159,7 @@ def test_session_appends_only_the_new_turn_when_the_template_rewrites_earlier_on
     session = ChatSession(Engine(model, 1.0, "full", max_tokens=512), Sampler())
     fed = []
     append = session.engine.append
-    session.engine.append = lambda tokens, probe=None, progress=None: fed.append(text_of(model, tokens)) or append(tokens, probe, progress)
+    session.engine.append = lambda tokens, probe=None, progress=None, **kw: fed.append(text_of(model, tokens)) or append(tokens, probe, progress, **kw)
     first = "".join(session.ask("What is the capital of Germany?", max_tokens=24))
     assert "Berlin" in first and len(first) > 8
     assert fed[0].startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")  # the default system message

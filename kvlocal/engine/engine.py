@@ -107,8 +107,8 @@ class Engine:
         self.cfg = EngineConfig(budget, method, chunk, window, n_sink, max_tokens)
         self.cfg.validate()
         self.scorer = make_scorer(method)
-        if recall is None:  # auto: on for the eviction methods (merged rows cannot come back one by one)
-            recall = not self.scorer.merges
+        if recall is None:  # auto: on for the eviction methods (merged rows cannot come back one by one), off
+            recall = not self.scorer.merges and backend != "native"  # where the backend asked for has no rows out
         recall = recall and method != "full"  # the full cache evicts nothing
         if recall and self.scorer.merges:
             raise UsageError(f"--recall on does not work with --method {method}: a merged row stands for several tokens, "
@@ -392,6 +392,11 @@ class Engine:
             record.pos = cell_new
             self.n_past = int(moved(np.array([self.n_past]))[0])
             self.stats.repositions += 1
+            if self.tier is not None:
+                # the tier's rows cannot follow: their keys carry the old rotation and the new range has no
+                # positions between the renumbered cells for them; an endless chat starts a new tier here
+                self.tier.clear()
+                self.stats.recall_dropped_rows = self.tier.dropped_rows
 
     @contextlib.contextmanager
     def _rollback(self):

@@ -66,8 +66,15 @@ def with_candidates(read, tier: HostTier, cands: Candidates, span: str = "row"):
     head has no candidate for are empty (position -1, count 0). The blob of the real cells is kept (a
     failed write loads it back). ``span="page"``: a tier page's rows rank together (its best row's score),
     so a fact comes back whole or not at all; ``"row"``: each row on its own score."""
-    kv, n, m = read.kv, read.n, cands.width
     n_layer, hkv = read.true.shape[:2]
+    for l in range(n_layer):  # a row the device holds is never a candidate (its flag is set right here)
+        for h, ids in enumerate(cands.ids[l]):
+            here = np.isin(tier.heads[l][h].pos[ids], read.true[l, h])
+            if here.any():
+                tier.heads[l][h].on_device[ids[here]] = True
+                cands.ids[l][h] = ids[~here]
+    cands.width = max((len(i) for layer in cands.ids for i in layer), default=0)
+    kv, n, m = read.kv, read.n, cands.width
     k_out, v_out = [], []
     true = np.full((n_layer, hkv, n + m), -1, np.int64)
     vnorm = np.full((n_layer, hkv, n + m), np.nan, np.float32)

@@ -339,6 +339,13 @@ class HostTier:
             for h, s in enumerate(layer):
                 s.n = min(s.n, int(mark[l, h]))
 
+    def clear(self) -> int:
+        """Forget every row (their chunks are kept for reuse); returns how many were off the device."""
+        gone = sum(int((~s.on_device[:s.n]).sum()) for layer in self.heads for s in layer)
+        self.truncate(np.zeros((len(self.heads), len(self.heads[0])), np.int64))
+        self.dropped_rows += gone
+        return gone
+
     def sync(self, device_true: np.ndarray) -> None:
         """Flag as on the device exactly the rows whose (layer, head, position) the device holds:
         ``device_true`` ``[n_layer, Hkv, n]`` the true positions of its rows (-1: empty)."""
