@@ -41,8 +41,10 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
                         "or a cell count like 2048")
     p.add_argument("--method", default="criticalkv", help=f"{', '.join(METHODS)} (default criticalkv; docs/algorithms.md)")
     p.add_argument("--chunk", type=int, default=128,
-                   help="least prefill chunk in tokens: n_ctx = budget + chunk + window, padded by llama.cpp (default 128)")
-    p.add_argument("--window", type=int, default=32, help="recent tokens always kept; probe length (default 32)")
+                   help="least prefill chunk in tokens: n_ctx = budget + chunk + recent, padded by llama.cpp (default 128)")
+    p.add_argument("--recent", "--window", type=int, default=32, dest="recent",
+                   help="the protected recent span: the newest tokens always kept, and the probe's length (default 32; "
+                        "--window is its old name)")
     p.add_argument("--backend", default="auto", choices=("auto", "native", "state"),
                    help="where compression runs: native = on the device that holds the cache (patched llama.cpp; "
                         "eviction methods, unquantized caches), state = K/V read to the host (every method); "
@@ -104,13 +106,13 @@ def recall_args(args) -> dict:
 def engine_from_args(args, model, max_tokens: int):
     from kvlocal.engine import Budget, Engine
 
-    if args.chunk < 1 or args.window < 1:
-        raise UsageError("--chunk and --window must be at least 1")
+    if args.chunk < 1 or args.recent < 1:
+        raise UsageError("--chunk and --recent must be at least 1")
     budget = Budget.parse(args.budget)
     if max_tokens > model.n_ctx_train:
         print(f"kvlocal: warning: {max_tokens} tokens exceed the {model.n_ctx_train} the model was trained on; positions extrapolate",
               file=sys.stderr)
-    return Engine(model, budget, args.method, max_tokens=max_tokens, chunk=args.chunk, window=args.window,
+    return Engine(model, budget, args.method, max_tokens=max_tokens, chunk=args.chunk, recent=args.recent,
                   flash_attn=args.flash_attn, n_threads=args.threads, backend=args.backend, **cache_types(args),
                   **recall_args(args))
 

@@ -184,10 +184,10 @@ def test_floor_keeps_exactly_the_protected_cells():
 
 
 def test_window_rule_recent():
-    # a probe outside the cache protects nothing by the default rule; window=W protects the W newest
+    # a probe outside the cache protects nothing by the default rule; recent=W protects the W newest
     layer, _, _ = make_case(seed=6, queries="probe")
     assert not layer.window_mask().any()
-    layer.window = 10
+    layer.recent = 10
     newest = np.argsort(layer.pos)[-10:]
     assert set(np.flatnonzero(layer.window_mask()[0])) == set(newest)
     keep = SnapKV().keep(layer, N_SINK + 10)

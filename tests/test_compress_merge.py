@@ -139,7 +139,7 @@ def test_empty_rows_get_no_attention_and_no_protection():
     votes = window_votes(layer.q, layer.q_pos, layer.k, layer.pos, layer.bias)  # [Hq, n]
     assert (votes.reshape(layer.n_kv, 3, layer.n) * empty[:, None, :]).max() == 0 and votes.max() > 0
     assert not layer.protected()[empty].any()
-    layer.window = 10  # the 10 most recent live rows of each head
+    layer.recent = 10  # the 10 most recent live rows of each head
     window = layer.window_mask()
     for h in range(layer.n_kv):
         assert set(layer.pos_h[h, window[h]]) == set(np.sort(layer.pos_h[h][layer.live[h]])[-10:])

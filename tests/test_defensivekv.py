@@ -196,7 +196,7 @@ def test_reuses_and_fills_known_norms():
 
 def test_protects_sinks_and_the_recent_window_rule():
     layer, _, _ = make_case(seed=6, queries="probe")
-    layer.window = 10  # the engine's rule: the 10 newest cells, whatever the queries
+    layer.recent = 10  # the engine's rule: the 10 newest cells, whatever the queries
     newest = set(np.argsort(layer.pos)[-10:])
     keep = DefensiveKV().keep(layer, N_SINK + 10)
     for h in range(layer.n_kv):

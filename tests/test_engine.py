@@ -218,7 +218,7 @@ def run(smollm2_model, prompt):
     """One compressed run: prefill with the prompt's tail as the probe (as `kvlocal run`), then N_DECODE
     greedy tokens."""
     eng = RecordingEngine(smollm2_model, BUDGET, "criticalkv", max_tokens=N_PROMPT + N_DECODE, chunk=CHUNK,
-                          window=WINDOW, n_sink=N_SINK, n_threads=THREADS, inputs_of=(INPUTS_EVENT,))
+                          recent=WINDOW, n_sink=N_SINK, n_threads=THREADS, inputs_of=(INPUTS_EVENT,))
     logits0 = eng.prefill(prompt, probe=prompt[-WINDOW:])
     after_prefill = dict(n_past=eng.n_past, pos_max=eng.ctx.pos_max(), cells=cells(eng), stats=copy.deepcopy(eng.stats),
                          plan=eng.last_plan, slot_true=eng.kv.record.true.copy(), n_events=len(eng.events))
@@ -295,13 +295,13 @@ def test_engine_matches_reference_with_the_same_plans(run, comparison):
 # -- 2. the kept sets against the reference scorer -----------------------------------------------------
 
 
-def reference_layer(x: LayerInputs, engine_window: bool):
+def reference_layer(x: LayerInputs, engine_rule: bool):
     """The reference's (LayerKV, Observation) built from the arrays the engine scored.
 
     The reference protects the rows at or after the first observation query (``pos >= min(q_pos)``):
-    with the probe decoded after the cache, none. The engine passes ``window=WINDOW``: the WINDOW most
+    with the probe decoded after the cache, none. The engine passes ``recent=WINDOW``: the WINDOW most
     recent positions of each head are protected (and left out of the pooling) instead. With
-    ``engine_window`` the engine's rule is expressed in the reference's terms: each head's WINDOW most
+    ``engine_rule`` the engine's rule is expressed in the reference's terms: each head's WINDOW most
     recent rows get one common position T just past the cache and the queries positions T, T+1, ...;
     every query still sees every row (as the probe does), the order of the other rows, the sinks and
     all the arrays are unchanged.
@@ -312,9 +312,9 @@ def reference_layer(x: LayerInputs, engine_window: bool):
     from kvlocal.reference.cache import LayerKV
 
     pos, q_pos = x.pos_h.copy(), x.q_pos.copy()
-    if engine_window:
+    if engine_rule:
         t = int(pos.max()) + 1
-        pos = np.where(pos >= np.sort(pos, axis=1)[:, -x.window][:, None], t, pos)
+        pos = np.where(pos >= np.sort(pos, axis=1)[:, -x.recent][:, None], t, pos)
         q_pos = t + np.arange(len(q_pos))
     hkv, n = pos.shape
     kv = LayerKV(k=torch.from_numpy(x.k.copy()), v=torch.from_numpy(x.v.copy()), pos=torch.from_numpy(pos),
@@ -342,7 +342,7 @@ def test_kept_sets_match_the_reference_scorer(run, comparison, ref_model, smollm
 
     plain_differ = 0
     for il, x in enumerate(ev.inputs):
-        assert (x.n_sink, x.window, x.bias) == (N_SINK, WINDOW, None)
+        assert (x.n_sink, x.recent, x.bias) == (N_SINK, WINDOW, None)
         np.testing.assert_array_equal(x.q_pos, np.arange(ev.n_past, ev.n_past + len(ev.probe)))
         np.testing.assert_array_equal(ev.plan.keep[il], ev.keeps[il])  # the plan is what the scorer chose
 
@@ -365,12 +365,12 @@ def test_kept_sets_match_the_reference_scorer(run, comparison, ref_model, smollm
             np.testing.assert_allclose(x.vnorm[known], exact[known], rtol=1e-4)
 
         # the kept sets: exactly the reference's, with the window rule the engine uses
-        kv, obs = reference_layer(x, engine_window=True)
+        kv, obs = reference_layer(x, engine_rule=True)
         want = ref_scorer.plan(kv, obs, ev.budget)
         for h in range(m.n_head_kv):
             assert set(ev.plan.keep[il][h].tolist()) == set(want.keep[h].tolist()), f"layer {il} head {h}"
         # with the reference's own rule (nothing protected past the probe) some rows differ
-        kv, obs = reference_layer(x, engine_window=False)
+        kv, obs = reference_layer(x, engine_rule=False)
         assert not rc.protected_mask(kv, 0, obs.q_pos).any()
         theirs = ref_scorer.plan(kv, obs, ev.budget)
         plain_differ += sum(len(set(ev.plan.keep[il][h].tolist()) - set(theirs.keep[h].tolist()))
@@ -422,7 +422,7 @@ def test_chunked_prefill_stays_within_n_ctx(run, smollm2_model):
 def decode_run(model, text_tokens, probe_kind: str, n_gen: int = 150):
     """Budget 160 in a 256-cell context (decode slack 64); a 300-token prompt, then n_gen tokens."""
     prompt = text_tokens[:300]
-    eng = RecordingEngine(model, 160, "criticalkv", max_tokens=len(prompt) + n_gen + 64, chunk=CHUNK, window=WINDOW,
+    eng = RecordingEngine(model, 160, "criticalkv", max_tokens=len(prompt) + n_gen + 64, chunk=CHUNK, recent=WINDOW,
                           n_threads=THREADS)
     eng.prefill(prompt, probe=prompt[-WINDOW:] if probe_kind == "question" else None)
     before = eng.stats.compression_events
@@ -459,7 +459,7 @@ def test_append_after_decoding_with_a_longer_probe(smollm2_model, text_tokens):
     turn's own tokens are its probe, at most ``window`` of them). Whatever the reply left in the cache,
     the next turn's probe must fit. The reply stops at the first state where a full-length probe would
     not (if decoding ever lets the cache get there)."""
-    eng = Engine(smollm2_model, 160, "criticalkv", max_tokens=1000, chunk=CHUNK, window=WINDOW, n_threads=THREADS)
+    eng = Engine(smollm2_model, 160, "criticalkv", max_tokens=1000, chunk=CHUNK, recent=WINDOW, n_threads=THREADS)
     eng.prefill(text_tokens[:300], probe=None)  # the query-agnostic probe
     assert len(eng.model.tokenize(AGNOSTIC_PROBE, add_special=False)) < WINDOW
     n_gen = 0
@@ -488,7 +488,7 @@ def test_budget_parse_and_floor(smollm2_model):
     with pytest.raises(UsageError, match="floor"):
         Budget.parse("20").cells_for(10_000, floor)
     with pytest.raises(UsageError, match="floor"):
-        Engine(smollm2_model, 20, max_tokens=1000, window=WINDOW, n_sink=N_SINK)
+        Engine(smollm2_model, 20, max_tokens=1000, recent=WINDOW, n_sink=N_SINK)
     with pytest.raises(UsageError, match="unknown compression method"):
         Engine(smollm2_model, 64, "nope", max_tokens=1000)
     with pytest.raises(UsageError, match="IQ4_NL KV cache is not supported: use f16"):
@@ -668,7 +668,7 @@ def test_the_probe_decides_what_is_kept(smollm2_model, text_tokens):
     agnostic = smollm2_model.tokenize(AGNOSTIC_PROBE, add_special=False)
     plans = {}
     for name, probe in (("question", question), ("agnostic", None)):
-        eng = RecordingEngine(smollm2_model, 64, "criticalkv", max_tokens=len(prompt), chunk=CHUNK, window=WINDOW,
+        eng = RecordingEngine(smollm2_model, 64, "criticalkv", max_tokens=len(prompt), chunk=CHUNK, recent=WINDOW,
                               n_threads=THREADS)
         eng.prefill(prompt, probe=probe)
         assert eng.events and all(e.probe == (probe or agnostic) for e in eng.events)

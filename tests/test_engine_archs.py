@@ -228,7 +228,7 @@ def scorer_inputs(eng: RecordingEngine, ref, at_event: dict, method: str) -> dic
     out = dict(k=0.0, v=0.0, q=0.0, k_shifted=np.inf, same_kept=1.0)
     for j, (il, x) in enumerate(zip(eng.layers, eng.inputs)):
         np.testing.assert_array_equal(x.q_pos, np.arange(ev.n_past, ev.n_past + len(ev.probe)))
-        assert (x.n_sink, x.window, x.layer) == (N_SINK, WINDOW, il)
+        assert (x.n_sink, x.recent, x.layer) == (N_SINK, WINDOW, il)
         np.testing.assert_array_equal(x.pos_h, ev.held[j])
         layer = at_event["cache"][il]
         k, v = np.empty_like(x.k), np.empty_like(x.v)
@@ -245,7 +245,7 @@ def scorer_inputs(eng: RecordingEngine, ref, at_event: dict, method: str) -> dic
         out["k_shifted"] = min(out["k_shifted"], rel_err(unshifted, shifted))
         mine = LayerInputs(k=k, v=v, pos=x.pos_h.copy(), q=q.astype(np.float32), q_pos=x.q_pos,
                            wo=None if x.wo is None else ref.layers[il].attention.wo.weight.numpy(),
-                           layer=il, n_sink=N_SINK, window=WINDOW)
+                           layer=il, n_sink=N_SINK, recent=WINDOW)
         theirs = eng.scorer.inner.keep(mine, BUDGET)
         kept = ev.plan.keep[j]
         shared = sum(len(np.intersect1d(kept[h], theirs[h])) for h in range(x.n_kv)) / kept.size
@@ -319,7 +319,7 @@ class Runs:
         a = self.arch(arch)
         t0 = time.perf_counter()
         model, ref, tokens = a["model"], a["ref"], a["tokens"]
-        eng = RecordingEngine(model, BUDGET, method, max_tokens=len(tokens), chunk=CHUNK, window=WINDOW,
+        eng = RecordingEngine(model, BUDGET, method, max_tokens=len(tokens), chunk=CHUNK, recent=WINDOW,
                               n_sink=N_SINK, n_threads=THREADS, inputs_of=INPUTS_EVENT)
         eng.prefill(a["prompt"], probe=a["prompt"][-WINDOW:])
         forced = Forced(a["cont"])

@@ -249,7 +249,7 @@ def test_decode_time_events_are_scored_by_the_question_and_the_reply(smollm2_mod
             self.seen.append((list(probe), list(self._reply)))
             super()._compress(probe, observed)
 
-    eng = Recording(m, 96, max_tokens=1200, chunk=64, window=16, n_threads=THREADS)
+    eng = Recording(m, 96, max_tokens=1200, chunk=64, recent=16, n_threads=THREADS)
     eng.seen = []
     q = m.tokenize("\n\nWho wrote this text, and what is it about? Answer at length.\n", add_special=False)
     eng.prefill(m.tokenize(prose)[:300] + q, probe=q)

@@ -47,7 +47,7 @@ def device_rows(eng: Engine):
 
 def test_a_question_swaps_rows_with_the_tier_and_both_stay_consistent(tiny_llama):
     tokens = tiny_llama.tokenize(sample_text())
-    eng = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, window=16, recall=True)
+    eng = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True)
     eng.prefill(tokens[:500], probe=tokens[500:516])
     tier = eng.tier
     before = device_rows(eng)
@@ -85,7 +85,7 @@ def test_a_question_swaps_rows_with_the_tier_and_both_stay_consistent(tiny_llama
 
 def test_a_restored_snapshot_forgets_the_undone_rows(tiny_llama):
     tokens = tiny_llama.tokenize(sample_text())
-    eng = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, window=16, recall=True)
+    eng = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True)
     eng.prefill(tokens[:300])
     snap = eng.snapshot()
     n0 = eng.tier.n_rows

@@ -140,9 +140,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.simd:
         kernels.simd_level(args.simd)
-    layers = make_layers(args.layers, args.n, args.heads[0], args.heads[1], args.head_dim, args.hidden, args.window)
+    layers = make_layers(args.layers, args.n, args.heads[0], args.heads[1], args.head_dim, args.hidden, args.recent)
     print(f"{args.layers} layers, n={args.n}, budget={args.budget}, Hq/Hkv={args.heads[0]}/{args.heads[1]}, "
-          f"d={args.head_dim}, D={args.hidden}, w={args.window}; kernels: {kernels.simd_level()}; {args.clock} clock")
+          f"d={args.head_dim}, D={args.hidden}, w={args.recent}; kernels: {kernels.simd_level()}; {args.clock} clock")
     if not native_scoring():
         print("(at this level the scorers use numpy: only the two kernel rows compare C with numpy)")
     clock = time.perf_counter if args.clock == "wall" else time.process_time

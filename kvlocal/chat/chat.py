@@ -51,7 +51,7 @@ class ChatSettings:
     method: str = "criticalkv"
     ctx_size: int = 0  # tokens a ratio budget is sized from (0: the model's trained context)
     chunk: int = 128
-    window: int = 32
+    recent: int = 32  # the protected recent span (also the probe's length cap)
     flash_attn: bool = False
     system: str | None = None
     max_reply: int = 512  # most tokens of one reply
@@ -93,7 +93,7 @@ class Chat:
         sampler: Sampler | None = None,
         ctx_size: int = 0,
         chunk: int = 128,
-        window: int = 32,
+        recent: int = 32,
         max_reply: int = 512,
         n_gpu_layers: int = 0,
         flash_attn: bool = False,
@@ -109,7 +109,7 @@ class Chat:
             cache_type(t)  # UsageError naming the choices, before a model is loaded
         if isinstance(recall_mem, str):
             recall_mem = parse_size(recall_mem)
-        settings = ChatSettings(str(Budget.parse(budget)), method, ctx_size, chunk, window, flash_attn, system, max_reply,
+        settings = ChatSettings(str(Budget.parse(budget)), method, ctx_size, chunk, recent, flash_attn, system, max_reply,
                                 cache_type_k.lower(), cache_type_v.lower(), backend, recall, recall_mem,
                                 None if recall_dir is None else os.fspath(recall_dir))
         if isinstance(model, Model):
@@ -289,9 +289,12 @@ class Chat:
             raise UsageError(f"{path} was saved on llama-cpp-python {rt['llama_cpp_python']} (kvlocal ABI {rt['patch_abi']}), "
                              f"this runtime is {info.version} (ABI {info.patch_abi}): its cache format differs; "
                              f"load it where it was saved")
-        s = ChatSettings(**h["settings"])
+        settings = dict(h["settings"])
+        if "window" in settings:  # sessions saved before the recent span had its own name
+            settings["recent"] = settings.pop("window")
+        s = ChatSettings(**settings)
         chat = cls(model if isinstance(model, Model) else model_path, s.budget, s.method, system=s.system, sampler=sampler,
-                   ctx_size=s.ctx_size, chunk=s.chunk, window=s.window, max_reply=s.max_reply,
+                   ctx_size=s.ctx_size, chunk=s.chunk, recent=s.recent, max_reply=s.max_reply,
                    n_gpu_layers=n_gpu_layers, flash_attn=s.flash_attn, n_threads=n_threads,
                    cache_type_k=s.cache_type_k, cache_type_v=s.cache_type_v, backend=s.backend, recall=s.recall,
                    recall_mem=s.recall_mem, recall_dir=s.recall_dir)
@@ -334,7 +337,7 @@ class Chat:
 
     def _new_engine(self, s: ChatSettings) -> Engine:
         cap = s.ctx_size or self.model.n_ctx_train
-        return Engine(self.model, s.budget, s.method, max_tokens=cap, chunk=s.chunk, window=s.window,
+        return Engine(self.model, s.budget, s.method, max_tokens=cap, chunk=s.chunk, recent=s.recent,
                       flash_attn=s.flash_attn, n_threads=self._threads, endless=s.method != "full",
                       type_k=cache_type(s.cache_type_k), type_v=cache_type(s.cache_type_v), backend=s.backend,
                       recall=s.recall, recall_mem=s.recall_mem, recall_dir=s.recall_dir)

@@ -121,8 +121,8 @@ def cmd_run(args) -> int:
     elif args.agnostic:
         probe = None
     else:  # the prompt ends with its question: its last tokens are the observation window
-        probe = tokens[-args.window:]
-    tail = min(args.window, len(tokens) - 1)
+        probe = tokens[-args.recent:]
+    tail = min(args.recent, len(tokens) - 1)
     if engine.tier is not None and tail > 0:  # the question (the prompt's end) re-selects the cache first
         engine.prefill(tokens[:-tail], probe=probe)
         engine.append(tokens[-tail:], probe=probe, recall=True)

@@ -297,7 +297,7 @@ def run(args) -> int:
             chat = Chat.load(args.load, model=model, sampler=sampler, n_threads=args.threads)
         else:
             chat = Chat(model, args.budget, args.method, system=args.system, sampler=sampler, ctx_size=args.ctx_size,
-                        chunk=args.chunk, window=args.window, max_reply=args.n_predict, flash_attn=args.flash_attn,
+                        chunk=args.chunk, recent=args.recent, max_reply=args.n_predict, flash_attn=args.flash_attn,
                         n_threads=args.threads, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                         backend=args.backend, **recall_args(args))
         with chat:

@@ -111,8 +111,8 @@ def make_scorer(name: str, **params) -> Scorer:
     if unknown:
         allowed = ", ".join(method_params(name)) or "none"
         hint = ""
-        if {"n_sink", "window"} & set(unknown):
-            hint = (" (sinks and the protected window are LayerInputs.n_sink and LayerInputs.window,"
+        if {"n_sink", "recent", "window"} & set(unknown):
+            hint = (" (sinks and the protected recent span are LayerInputs.n_sink and LayerInputs.recent,"
                     " the same for every method)")
         raise UsageError(f"method {name!r} has no parameter {', '.join(unknown)}; its parameters: {allowed}{hint}")
     try:

@@ -26,7 +26,7 @@ The contract, documented once:
     merges. The default wraps :meth:`keep`; merging methods (KVSlimmer) override it.
 
 Empty rows (a head that holds fewer entries than the cache has cells) are never kept, get no
-attention and are neither sinks nor window (:attr:`LayerInputs.live`).
+attention and are neither sinks nor in the recent span (:attr:`LayerInputs.live`).
 
 Cells are in llama.cpp's cell order, which is **not** position order (after a removal new tokens fill
 the holes first); everything that depends on order (pooling, ties, the result) goes by position.
@@ -73,8 +73,8 @@ class LayerInputs:
         Layer index (for messages and for methods that depend on depth).
     n_sink : int
         Attention sinks: cells at positions ``< n_sink`` are protected (StreamingLLM; 4 as in kvpress).
-    window : int, optional
-        Window protection rule. ``None`` (default, the reference's rule): every cell at or after the
+    recent : int, optional
+        The protected recent span. ``None`` (default, the reference's rule): every cell at or after the
         first observation query (``pos >= min(q_pos)``) is protected: with the last ``w`` prompt tokens
         as queries, exactly those ``w`` cells; with a question probe whose tokens are not cached,
         none. An int ``W``: the ``W`` most recent positions (of each head) are protected instead,
@@ -84,7 +84,7 @@ class LayerInputs:
         ``count`` source tokens (a merge), 0 for a plain token, ``-inf`` for an EMPTY row (a dead slot:
         AdaKV gave that head fewer entries, or the head holds fewer live rows), whose ``pos`` is ``-1``.
         ``None``: 0 everywhere (then rows with ``pos = -1`` are the empty ones). Empty rows are never
-        kept, get no attention, and are neither sinks nor window (:attr:`live`, :attr:`counts`).
+        kept, get no attention, and are neither sinks nor recent (:attr:`live`, :attr:`counts`).
     vnorm : np.ndarray, optional
         ``[Hkv, n]`` float32 projected value norms already known (CriticalKV; NaN = not known). They
         depend only on a cell's value row and ``W_O``, so an engine can carry them from one event to
@@ -109,7 +109,7 @@ class LayerInputs:
     wo: np.ndarray | None = None
     layer: int = 0
     n_sink: int = 4
-    window: int | None = None
+    recent: int | None = None
     bias: np.ndarray | None = None
     vnorm: np.ndarray | None = None
     votes: np.ndarray | None = None
@@ -191,10 +191,10 @@ class LayerInputs:
         ``q_pos`` are the queries actually used (a scorer may use only the last ones); default all.
         """
         pos = self.pos_h
-        if self.window is not None:
-            if self.window <= 0 or self.n == 0:
+        if self.recent is not None:
+            if self.recent <= 0 or self.n == 0:
                 return np.zeros(pos.shape, dtype=bool)
-            recent = np.sort(pos, axis=1)[:, max(0, self.n - self.window)][:, None]  # empty rows (-1) sort first
+            recent = np.sort(pos, axis=1)[:, max(0, self.n - self.recent)][:, None]  # empty rows (-1) sort first
             return (pos >= recent) & self.live
         q_pos = self.q_pos if q_pos is None else q_pos
         if q_pos is None or len(q_pos) == 0:

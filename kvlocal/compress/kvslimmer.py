@@ -140,7 +140,7 @@ class KVSlimmer(Scorer):
     two candidates left (sinks and window fill the budget), the rest is evicted instead: the candidates
     with the least ``alpha`` first, then protected rows, oldest first (as :func:`select`).
 
-    No parameters: sinks and window are the engine's (``LayerInputs.n_sink``, ``.window``; the KVSlimmer
+    No parameters: sinks and the recent span are the engine's (``LayerInputs.n_sink``, ``.recent``; the KVSlimmer
     code protects 32 sinks); counts are never clipped (the code clips at 5).
     """
 

@@ -34,11 +34,11 @@ class Budget:
         return cls(cells=int(value))
 
     def cells_for(self, n_tokens: int, floor: int) -> int:
-        """Cells for n_tokens seen. An absolute budget below the floor (sinks + window) is an error;
+        """Cells for n_tokens seen. An absolute budget below the floor (sinks + the recent span) is an error;
         a ratio is raised to the floor."""
         if self.cells is not None:
             if self.cells < floor:
-                raise UsageError(f"--budget {self.cells} is below the floor of {floor} cells (sinks + window): give at least {floor}")
+                raise UsageError(f"--budget {self.cells} is below the floor of {floor} cells (sinks + the recent span): give at least {floor}")
             return self.cells
         return max(floor, math.ceil(self.ratio * n_tokens))
 
@@ -90,19 +90,19 @@ class EngineStats:
 class EngineConfig:
     budget: Budget = field(default_factory=lambda: Budget(ratio=0.1))
     method: str = "criticalkv"
-    chunk: int = 128  # least prefill chunk: n_ctx = budget + chunk + window (then padded by llama.cpp)
-    window: int = 32  # most recent tokens always kept; also the probe length cap
+    chunk: int = 128  # least prefill chunk: n_ctx = budget + chunk + recent (then padded by llama.cpp)
+    recent: int = 32  # the protected recent span: the newest tokens always kept; also the probe length cap
     n_sink: int = 4  # first tokens always kept (attention sinks)
     max_tokens: int | None = None  # tokens a session may see in all (hard cap; sizes a ratio budget)
 
     def validate(self) -> None:
         """Raise UsageError naming the fix for values the engine cannot work with."""
-        for name, lo in (("chunk", 1), ("window", 1), ("n_sink", 0), ("max_tokens", 1)):
+        for name, lo in (("chunk", 1), ("recent", 1), ("n_sink", 0), ("max_tokens", 1)):
             val = getattr(self, name)
             if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < lo:
                 raise UsageError(f"{name} must be a whole number >= {lo}, got {val!r}")
-        if self.window > N_UBATCH // 2:
-            raise UsageError(f"window {self.window} is too large: at most {N_UBATCH // 2} (the probe is decoded with a chunk in one batch)")
+        if self.recent > N_UBATCH // 2:
+            raise UsageError(f"recent {self.recent} is too large: at most {N_UBATCH // 2} (the probe is decoded with a chunk in one batch)")
 
 
 @dataclass

@@ -32,7 +32,7 @@ Scoring uses the model's own attention scale (``arch.attn_scale``: Gemma's query
 
 The observation window (docs/engine.md, "What scores the cache"):
 
-- prefill and a chat turn: the probe is the last ``window`` tokens of the text being added (its end:
+- prefill and a chat turn: the probe is the last ``recent`` tokens of the text being added (its end:
   the question and, in a chat, the template's assistant header), or ``probe=`` given explicitly;
 - decode-time events: the last half-window of that probe followed by the last half-window of the
   reply generated so far, so a long reply is scored by what it is saying now as well as by the
@@ -88,7 +88,7 @@ class Engine:
         *,
         max_tokens: int,
         chunk: int = 128,
-        window: int = 32,
+        recent: int = 32,
         n_sink: int = 4,
         n_gpu_layers: int = 0,
         flash_attn: bool = False,
@@ -104,7 +104,7 @@ class Engine:
         recall_candidates: float = 4.0,
     ):
         budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
-        self.cfg = EngineConfig(budget, method, chunk, window, n_sink, max_tokens)
+        self.cfg = EngineConfig(budget, method, chunk, recent, n_sink, max_tokens)
         self.cfg.validate()
         self.scorer = make_scorer(method)
         if recall is None:  # auto: on for the eviction methods (merged rows cannot come back one by one), off
@@ -127,7 +127,7 @@ class Engine:
         self.bytes_per_value = (bytes_per_value(type_k) + bytes_per_value(type_v)) / 2  # of K and V, for the formulas
         # the scorers compute q·k/√d; the model's logits are q·k·attn_scale: scale the queries once
         self._q_scale = np.float32(m.arch.attn_scale * math.sqrt(self.head_dim))
-        floor = n_sink + window
+        floor = n_sink + recent
         # a budget above what the session may see is just the full cache
         self.budget_cells = max_tokens if method == "full" else min(budget.cells_for(max_tokens, floor), max_tokens)
         # the cells a compression may leave: the budget, or more where heads share it unevenly (AdaKV:
@@ -137,11 +137,11 @@ class Engine:
         self._wo = output_projections(str(m.path)) if self.scorer.needs_wo else None
         # llama.cpp pads n_ctx (to 256 cells here); prefill chunks then fill whatever is free, so the
         # effective chunk is n_ctx - budget - probe >= chunk
-        headroom = 0 if method == "full" else chunk + window
+        headroom = 0 if method == "full" else chunk + recent
         self.capture = QueryCapture.for_model(m)
         n_ctx = self.slot_cells + headroom
         if m.arch.has_swa:  # the sliding cache shares n_ctx: it must hold the window and a chunk with its probe
-            n_ctx = max(n_ctx, m.arch.n_swa + chunk + window)
+            n_ctx = max(n_ctx, m.arch.n_swa + chunk + recent)
         if endless and pad_cells(n_ctx) + self._recent_span_of(m) > m.n_ctx_train:
             raise self._no_room(pad_cells(n_ctx))  # before llama.cpp allocates a cache that cannot work
         self.ctx = Context(m, n_ctx=n_ctx, n_batch=min(n_ctx, 2048), n_threads=n_threads,
@@ -194,14 +194,14 @@ class Engine:
                           f"{Path(m.path).name} was trained on: lower --budget (a ratio budget is a share of -c)")
 
     def _recent_span_of(self, m: Model) -> int:
-        return max(self.cfg.window, m.arch.n_swa if m.arch.has_swa else 0)
+        return max(self.cfg.recent, m.arch.n_swa if m.arch.has_swa else 0)
 
     # -- public API ---------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int], probe: Sequence[int] | None = None,
                 progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         """Decode a prompt in chunks that fill the free cells, compressing back to the budget whenever the
         context is full and once more at the end. ``probe``: tokens whose queries score the cache (the
-        question; its last ``window`` tokens are used); None uses the generic query-agnostic probe.
+        question; its last ``recent`` tokens are used); None uses the generic query-agnostic probe.
         ``progress(done, total)`` is called after every chunk. Returns the last logits."""
         self._check_usable()
         if len(tokens) == 0:
@@ -253,7 +253,7 @@ class Engine:
             tok = sampler(self.logits)
             t0 = time.perf_counter()
             self._check_cap(1)
-            self._fit_positions(1 + self.cfg.window)
+            self._fit_positions(1 + self.cfg.recent)
             if self.live_cells() + 1 > self.ctx.n_ctx - self._reserve():
                 self._compress(self.decode_probe())
             with self._rollback():
@@ -314,26 +314,26 @@ class Engine:
         """The probe of a decode-time event: the last half-window of the prompt's probe followed by the
         last half-window of the reply so far (the whole window for whichever is short)."""
         probe = self._probe or self._probe_tokens(None)
-        w = self.cfg.window
+        w = self.cfg.recent
         reply = self._reply[-(w // 2):] if w > 1 else []
         return (probe[-(w - len(reply)):] + reply)[-w:]
 
     @property
     def slack(self) -> int:
         """Cells past the budget that chunks and decoding may fill before the next compression."""
-        return self.ctx.n_ctx - self.slot_cells - self.cfg.window
+        return self.ctx.n_ctx - self.slot_cells - self.cfg.recent
 
     def live_cells(self) -> int:
         return self.stats.kv_cells_live
 
     def _probe_tokens(self, probe: Sequence[int] | None) -> list[int]:
         probe = list(probe) if probe else self.model.tokenize(AGNOSTIC_PROBE, add_special=False)
-        return probe[-self.cfg.window:]
+        return probe[-self.cfg.recent:]
 
     def _reserve(self) -> int:
-        """Cells to keep free for a probe's decode: the probe cap (``window``), whatever this probe's
+        """Cells to keep free for a probe's decode: the probe cap (``recent``), whatever this probe's
         length, so that a later, longer probe (the next chat turn) always fits; none for ``full``."""
-        return 0 if self.cfg.method == "full" else self.cfg.window
+        return 0 if self.cfg.method == "full" else self.cfg.recent
 
     # -- internals ------------------------------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -356,7 +356,7 @@ class Engine:
 
     def _reposition(self) -> None:
         """Move the cache's positions back into the trained range, as StreamingLLM does ("positions within
-        the cache"): the cells older than the recent span (``window``; a sliding-window model's window)
+        the cache"): the cells older than the recent span (``window``; a sliding-window model's recent)
         take consecutive positions 0, 1, ... in their order, and the recent span follows them shifted as one
         block, so recent tokens keep their exact distances and old ones keep their order. llama.cpp
         re-rotates the keys (K-shift) at the next decode. The rows' recorded positions (the scorers' order
@@ -371,7 +371,7 @@ class Engine:
             return np.where(p < recent, np.searchsorted(old, p), p - recent + len(old))
 
         with interrupts_deferred():
-            if self.model.arch.has_swa:  # sliding-window cells between full-cache cells (outside the window)
+            if self.model.arch.has_swa:  # sliding-window cells between full-cache cells (outside the recent)
                 prev = -1
                 for p in [*old.tolist(), recent]:
                     if p > prev + 1:
@@ -528,7 +528,7 @@ class Engine:
     def _plan(self, read: CacheRead, q: list[np.ndarray], q_pos: np.ndarray) -> Plan:
         """The scorer's plan for the cells of ``read``, observed by the queries ``q`` at ``q_pos``."""
         inputs = self.kv.layer_inputs(read, [qi * self._q_scale for qi in q], q_pos, n_sink=self.cfg.n_sink,
-                                      window=self.cfg.window, window_size=observation_window(self.scorer))
+                                      recent=self.cfg.recent, window_size=observation_window(self.scorer))
         plan = plan_layers(self.scorer, inputs, self.budget_cells)
         self.last_plan = plan
         return plan

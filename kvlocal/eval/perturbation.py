@@ -83,7 +83,7 @@ class Perturbation:
         from kvlocal.reference import prefill
 
         self.model, self.args = model, model.args
-        self.window = EngineConfig.window if window is None else window
+        self.window = EngineConfig.recent if window is None else window
         self.n_sink = EngineConfig.n_sink if n_sink is None else n_sink
         self.tokens = torch.as_tensor(tokens, dtype=torch.int64)
         self.n = len(self.tokens)
@@ -117,7 +117,7 @@ class Perturbation:
         from kvlocal.reference.model import attend_window
 
         attn = self.model.layers[il].attention
-        a = attend_window(self.queries[il], self.q_pos, kv, attn.window)  # [Hq, w, d]
+        a = attend_window(self.queries[il], self.q_pos, kv, attn.sliding_window)  # [Hq, w, d]
         hq, _, d = a.shape
         wo_h = attn.wo.weight.view(-1, hq, d).permute(1, 2, 0)  # [Hq, d, D]: W_O^h = wo[:, h*d:(h+1)*d].T
         return a @ wo_h
@@ -144,7 +144,7 @@ class Perturbation:
             for il, kv in zip(self.layers, full):
                 yield LayerInputs(k=kv.k.numpy(), v=kv.v.numpy(), pos=kv.pos.numpy(), q=self.queries[il].numpy(),
                                   q_pos=self.q_pos.numpy(), wo=self.model.layers[il].attention.wo.weight.numpy(),
-                                  layer=il, n_sink=self.n_sink, window=self.window)
+                                  layer=il, n_sink=self.n_sink, recent=self.window)
 
         plan = plan_layers(make_scorer(method, **(params or {})), inputs(), cells)
         k, v, counts, bias = plan.materialize([kv.k.permute(1, 0, 2).numpy() for kv in full],

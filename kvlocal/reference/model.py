@@ -136,7 +136,7 @@ class Attention(nn.Module):
         # qwen3, gemma3: RMSNorm over each head's d values of q and k, before RoPE
         self.q_norm = _norm(w, prefix + "attn_q_norm.weight", args.norm_eps)
         self.k_norm = _norm(w, prefix + "attn_k_norm.weight", args.norm_eps)
-        self.window = args.n_swa if sliding else 0  # gemma3's sliding layers
+        self.sliding_window = args.n_swa if sliding else 0  # gemma3's sliding layers
         # attend() scales by 1/sqrt(d); the model's scale (gemma3: multiplies q after RoPE, then softmax
         # with scale 1) is folded into q before it
         gain = args.attn_scale * math.sqrt(args.head_dim)
@@ -155,7 +155,7 @@ class Attention(nn.Module):
         kv.append(k, v, positions)  # the new tokens see themselves through the cache
         if self.q_gain != 1.0:
             q = q * self.q_gain
-        out = attend_window(q, positions, kv, self.window)  # [Hq, T, d]
+        out = attend_window(q, positions, kv, self.sliding_window)  # [Hq, T, d]
         return self.wo(out.transpose(0, 1).reshape(T, a.n_head * a.head_dim))  # [T, D]
 
 

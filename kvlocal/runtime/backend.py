@@ -132,7 +132,7 @@ class KVBackend:
         """The cells as they are now, with each row's record."""
         raise NotImplementedError
 
-    def layer_inputs(self, read: CacheRead, q: list[np.ndarray], q_pos: np.ndarray, *, n_sink: int, window: int,
+    def layer_inputs(self, read: CacheRead, q: list[np.ndarray], q_pos: np.ndarray, *, n_sink: int, recent: int,
                      window_size: int | None):
         """One :class:`~kvlocal.compress.LayerInputs` per compressed layer for the scorers. ``q``: per layer
         the observation queries ``[Hq, w, d]`` after RoPE, already scaled for ``q·k/sqrt(d)``; ``q_pos`` their

@@ -19,7 +19,7 @@ class NativeBackend(KVBackend):
     def read(self) -> CacheRead:
         return self._read_record(self.ctx.cells()[1])
 
-    def layer_inputs(self, read: CacheRead, q, q_pos, *, n_sink: int, window: int, window_size=None):
+    def layer_inputs(self, read: CacheRead, q, q_pos, *, n_sink: int, recent: int, window_size=None):
         w = window_size or 1
         qs = np.stack([qi[:, -w:] for qi in q])  # [n_layer, Hq, w, d]
         bias = read.bias
@@ -30,7 +30,7 @@ class NativeBackend(KVBackend):
             vnorm[:, :, need] = np.where(np.isnan(vnorm[:, :, need]), norms, vnorm[:, :, need])
         for i, il in enumerate(self.layers):
             yield LayerInputs(k=None, v=None, pos=read.true[i], q=qs[i], q_pos=q_pos[-w:], layer=il, n_sink=n_sink,
-                              window=window, bias=None if bias is None else bias[i], vnorm=vnorm[i], votes=votes[i])
+                              recent=recent, bias=None if bias is None else bias[i], vnorm=vnorm[i], votes=votes[i])
 
     def apply(self, read: CacheRead, plan: Plan) -> None:
         record = RowRecord.after(plan, read)

@@ -20,7 +20,7 @@ class StateBackend(KVBackend):
         kv = read_seq(self.ctx)
         return self._read_record(kv.pos, kv=kv)
 
-    def layer_inputs(self, read: CacheRead, q, q_pos, *, n_sink: int, window: int, window_size=None):
+    def layer_inputs(self, read: CacheRead, q, q_pos, *, n_sink: int, recent: int, window_size=None):
         kv, basis, bias = read.kv, self.basis, read.bias
         for i, il in enumerate(self.layers):  # i: index in the compressed cache, il: the model's layer
             yield LayerInputs(
@@ -32,7 +32,7 @@ class StateBackend(KVBackend):
                 wo=self.wo[il] if self.wo is not None else None,
                 layer=il,
                 n_sink=n_sink,
-                window=window,  # the probe is not cached: protect the most recent rows instead
+                recent=recent,  # the probe is not cached: protect the most recent rows instead
                 bias=None if bias is None else bias[i],  # log(count) of merged rows, -inf for empty ones
                 vnorm=read.vnorm[i],  # CriticalKV fills in the ones it computes
                 groups=None if read.groups is None else read.groups[i],

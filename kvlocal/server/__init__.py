@@ -82,7 +82,7 @@ def run(args) -> int:
         model_id = name if name in KNOWN_MODELS else Path(path).stem
         model = Model(path, n_gpu_layers=args.n_gpu_layers)
         worker = Worker(model, model_id, chat_options=dict(
-            budget=args.budget, method=args.method, ctx_size=args.ctx_size, chunk=args.chunk, window=args.window,
+            budget=args.budget, method=args.method, ctx_size=args.ctx_size, chunk=args.chunk, recent=args.recent,
             max_reply=args.n_predict, flash_attn=args.flash_attn, n_threads=args.threads,
             cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, backend=args.backend, **recall_args(args)),
             defaults=dict(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -130,7 +130,7 @@ def _check_args(args) -> None:
         raise UsageError("--cache-chats must be >= 0 (0 keeps no conversation for reuse)")
     if args.n_predict < 1:
         raise UsageError("-n/--n-predict must be at least 1")
-    if args.chunk < 1 or args.window < 1:
-        raise UsageError("--chunk and --window must be at least 1")
+    if args.chunk < 1 or args.recent < 1:
+        raise UsageError("--chunk and --recent must be at least 1")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key is empty: give a key, or leave the flag out")
