@@ -175,7 +175,7 @@ def ask_all(model: Model, doc: str, n_doc: int, **chat) -> list[bool]:
 def test_questions_after_the_document_find_what_eviction_dropped(qwen_model):
     rng = random.Random(20261202)
     prose = Prose(lambda s: len(qwen_model.tokenize(s, add_special=False)))
-    doc = insert_at(prose.take(1500, rng), [((i + 0.5) / len(FACTS), fact) for i, (fact, _, _) in enumerate(FACTS)])
+    doc = insert_at(prose.take(1100, rng), [((i + 0.5) / len(FACTS), fact) for i, (fact, _, _) in enumerate(FACTS)])
     n_doc = len(qwen_model.tokenize(doc))
     full = ask_all(qwen_model, doc, n_doc, method="full", budget=1)
     assert all(full), full  # the model can answer every question from the whole document

@@ -11,7 +11,8 @@ decoding whenever the live cells pass ``budget + slack``, one *compression event
     plan     per layer and KV head, which source rows fill which cell (kvlocal.compress.Plan)
     apply    write the compacted cells back (state) / move the kept rows on the device (llama_kv_compact)
 
-Two KV backends (``backend=``, the CLI's ``--backend``): ``native`` keeps K/V on the device that holds
+Two KV backends (``backend=``, the CLI's ``--backend``; objects of :mod:`kvlocal.runtime`, one interface:
+read → layer inputs → apply): ``native`` keeps K/V on the device that holds
 them — the patched llama.cpp scores the cells and moves the kept rows by ggml graphs, and only
 queries, scores, positions and indices cross to the host; ``state`` reads the sequence state to the
 host, scores it there and loads it back (any llama.cpp build; every method, merging included; the
@@ -20,8 +21,12 @@ oracle the native backend is tested against). ``auto`` picks native where it can
 
 Different KV heads may keep different tokens in the same cell: attention is computed per head, so a
 cell is just a slot. A cell has one position (for the causal mask and for "the next token goes at
-max position + 1"); the engine keeps each row's true source position itself (``_true_pos``) and
-uses it for scoring, pooling and recency.
+max position + 1"); the backend keeps each row's true source position (its ``RowRecord``) and the
+scorers use it for pooling and recency.
+
+The recall tier (``recall=``; :mod:`kvlocal.recall`): the rows an event evicts go to host memory, and a
+later question (``append(..., recall=True)``, :meth:`Engine.recall`) scores the device cells and the
+tier's best pages together and swaps rows in and out, inside the same budget.
 
 Models with interleaved sliding-window attention (Gemma 3) keep two caches in llama.cpp: the
 sliding layers' cache is bounded by the window already, and llama.cpp keeps it; kvlocal compresses
