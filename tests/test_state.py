@@ -15,17 +15,8 @@ import pytest
 
 from kvlocal.errors import UsageError
 from kvlocal.runtime import Context
-from kvlocal.runtime.state import (
-    GGML_TYPE_BF16,
-    GGML_TYPE_F16,
-    GGML_TYPE_F32,
-    SeqKV,
-    build_blob,
-    get_blob,
-    parse_blob,
-    read_seq,
-    write_seq,
-)
+from kvlocal.runtime.seqstate import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, SeqKV, build_blob, parse_blob
+from kvlocal.runtime.state import get_blob, read_seq, write_seq
 
 GGML_TYPE_Q8_0 = 8
 N = 100  # prompt tokens in most tests
@@ -377,7 +368,7 @@ def test_f32_and_bf16_caches_round_trip(smollm2_model, tokens, flash_attn):
 
 
 def test_bf16_rounding_is_nearest_even():
-    from kvlocal.runtime.state import _put_rows
+    from kvlocal.runtime.seqstate import _put_rows
 
     x = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-9, -2.5, 3.0e38, np.inf, -np.inf], np.float32)
     out = np.empty(x.size * 2, np.uint8)

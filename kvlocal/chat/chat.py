@@ -13,7 +13,7 @@
 
 A chat never ends for length: a ratio budget is sized from ``ctx_size`` (default: the model's trained
 context), and past it the engine goes on in the same cells; whenever positions would pass the trained
-context they are moved back under it (``Engine._reposition``: old cells renumbered in order, the recent
+context they are moved back under it (``kvlocal.engine.positions.reposition``: old cells renumbered in order, the recent
 span shifted as a block, keys re-rotated by llama.cpp's K-shift).
 
 Thread-safety: a Chat serializes its calls with a lock — a call from a second thread waits until the

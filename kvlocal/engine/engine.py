@@ -64,6 +64,7 @@ import numpy as np
 from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, observation_window, plan_layers
 from kvlocal.engine.config import Budget, EngineConfig, EngineState, EngineStats
 from kvlocal.engine.interrupts import interrupts_deferred
+from kvlocal.engine.positions import reposition
 from kvlocal.errors import UsageError
 from kvlocal.recall import HostTier, choose_candidates, evicted_counts, store_evicted, with_candidates
 from kvlocal.runtime import (CacheBasis, CacheLost, CacheRead, Context, Model, QueryCapture, Sampler, bytes_per_value,
@@ -183,7 +184,7 @@ class Engine:
         self._probe: list[int] | None = None  # the probe of the last prefill/append
         self._reply: list[int] = []  # tokens generated since the last prefill/append
         # endless (a chat): past max_tokens the session goes on inside the same budget, and its positions
-        # are moved back under the trained context whenever they would pass it (:meth:`_reposition`)
+        # are moved back under the trained context whenever they would pass it (:func:`kvlocal.engine.positions.reposition`)
         self.endless = endless
         self.position_limit = m.n_ctx_train  # positions an endless session stays under
         self._recent_span = self._recent_span_of(m)
@@ -355,53 +356,9 @@ class Engine:
     def _fit_positions(self, n: int) -> bool:
         """Endless sessions: if the next n positions would pass the trained context, reposition first."""
         if self.endless and self.n_past + n > self.position_limit:
-            self._reposition()
+            reposition(self)
             return True
         return False
-
-    def _reposition(self) -> None:
-        """Move the cache's positions back into the trained range, as StreamingLLM does ("positions within
-        the cache"): the cells older than the recent span (``window``; a sliding-window model's recent)
-        take consecutive positions 0, 1, ... in their order, and the recent span follows them shifted as one
-        block, so recent tokens keep their exact distances and old ones keep their order. llama.cpp
-        re-rotates the keys (K-shift) at the next decode. The rows' recorded positions (the scorers' order
-        and recency) become their cell's new position in the old part and shift with the block in the
-        recent one — kept strictly increasing per head, which the plans require."""
-        ctx = self.ctx
-        cells = np.unique(self.kv.positions()).astype(np.int64)
-        recent = self.n_past - self._recent_span
-        old = cells[cells < recent]
-
-        def moved(p: np.ndarray) -> np.ndarray:
-            return np.where(p < recent, np.searchsorted(old, p), p - recent + len(old))
-
-        with interrupts_deferred():
-            if self.model.arch.has_swa:  # sliding-window cells between full-cache cells (outside the recent)
-                prev = -1
-                for p in [*old.tolist(), recent]:
-                    if p > prev + 1:
-                        ctx.remove(prev + 1, p)
-                    prev = p
-            for i, p in enumerate(old.tolist()):
-                if p != i:
-                    ctx.shift(p, p + 1, i - p)
-            if recent != len(old):
-                ctx.shift(recent, -1, len(old) - recent)
-            record = self.kv.record
-            cell_new = moved(record.pos)
-            t = record.true
-            label = np.where(t >= recent, t - recent + len(old), cell_new)
-            idx = np.arange(t.shape[-1])
-            label = np.maximum.accumulate(np.where(t >= 0, label - idx, np.iinfo(np.int64).min // 2), axis=-1) + idx
-            record.true = np.where(t >= 0, label, -1)
-            record.pos = cell_new
-            self.n_past = int(moved(np.array([self.n_past]))[0])
-            self.stats.repositions += 1
-            if self.tier is not None:
-                # the tier's rows cannot follow: their keys carry the old rotation and the new range has no
-                # positions between the renumbered cells for them; an endless chat starts a new tier here
-                self.tier.clear()
-                self.stats.recall_dropped_rows = self.tier.dropped_rows
 
     @contextlib.contextmanager
     def _rollback(self):

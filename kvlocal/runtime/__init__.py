@@ -18,7 +18,8 @@ from kvlocal.runtime.library import (REQUIRED_LLAMA_CPP_PYTHON, RuntimeInfo, has
                                      runtime_info)
 from kvlocal.runtime.llama import N_UBATCH, Context, Model, kv_cache_bytes, pad_cells
 from kvlocal.runtime.sampler import Sampler, SamplerParamError
-from kvlocal.runtime.state import CacheLost, row_format
+from kvlocal.runtime.seqstate import row_format
+from kvlocal.runtime.state import CacheLost
 from kvlocal.runtime.weights import output_projections
 
 BACKENDS = {"native": NativeBackend, "state": StateBackend}
