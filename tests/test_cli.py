@@ -168,3 +168,30 @@ def test_an_unknown_cache_type_is_one_line(command, smollm2, tmp_path):
     extra = ["--prompt-file", str(prompt)] if command == "run" else []
     assert_usage_error(run_cli(command, *extra, "-ctk", "q8_0", "-ctv", "iq4_nl"),
                        "unknown KV cache type 'iq4_nl': use one of f16, f32, bf16, q8_0")
+
+
+@pytest.mark.parametrize("command", ["run", "chat", "serve"])
+@pytest.mark.parametrize("flag, value, says", [("-t", "0", "-t/--threads 0"), ("-ngl", "-3", "-ngl/--n-gpu-layers -3"),
+                                               ("-c", "-5", "-c/--ctx-size -5")])
+def test_llama_flags_are_checked_before_anything_loads(command, flag, value, says, tmp_path):
+    extra = ["--prompt-file", str(tmp_path / "p.txt")] if command == "run" else []
+    (tmp_path / "p.txt").write_text("Hello.")
+    assert_usage_error(run_cli(command, "/nonexistent/model.gguf", *extra, flag, value), says)
+
+
+def test_a_context_no_model_can_position_is_refused_before_it_is_allocated(smollm2):
+    r = run_cli("chat", str(smollm2), "-c", "999999999", input="")
+    assert_usage_error(r, "leave no room under the 8,192 positions", "lower --budget")
+
+
+def test_an_empty_prompt_is_refused_on_every_model(gemma3, tmp_path):
+    (tmp_path / "empty.txt").write_text("\n  \n")  # Gemma 3 adds a BOS token even to nothing: the text decides
+    assert_usage_error(run_cli("run", str(gemma3), "--prompt-file", str(tmp_path / "empty.txt")), "is empty")
+
+
+def test_the_kept_count_is_what_the_cache_holds(smollm2, tmp_path):
+    (tmp_path / "p.txt").write_text("Hi")  # 2 tokens: the budget's floor (36 cells) is more than the prompt
+    r = run_cli("run", str(smollm2), "--prompt-file", str(tmp_path / "p.txt"), "-n", "1", "--budget", "0.1", "-t", "1")
+    assert r.returncode == 0, r.stderr
+    kept, total = map(int, re.search(r"(\d+) of (\d+) prompt tokens kept", r.stderr).groups())
+    assert kept == total <= 2
