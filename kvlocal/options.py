@@ -78,6 +78,21 @@ def check_llama_args(args) -> None:
         raise UsageError(f"-ngl/--n-gpu-layers {args.n_gpu_layers}: give a number of layers, 0 for none or -1 for all")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"-t/--threads {args.threads}: give at least 1 (default: the cores, at most 8)")
+    if hasattr(args, "recall"):
+        check_recall_args(args)
+
+
+def check_recall_args(args) -> None:
+    """The refusals of ``--recall*``, ``--method`` and ``--backend`` that need no model, before one loads."""
+    from kvlocal.engine import resolve_recall
+    from kvlocal.recall import check_spill_dir
+    from kvlocal.runtime import resolve_backend
+
+    kw = recall_args(args)
+    on = resolve_recall(kw["recall"], args.method, args.backend)
+    resolve_backend(args.backend, args.method, **cache_types(args), recall=on)
+    if on and args.recall_dir is not None:
+        check_spill_dir(args.recall_dir)
 
 
 def sampler_from_args(args):

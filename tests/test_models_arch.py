@@ -284,12 +284,12 @@ def test_wo_cache_is_bounded_and_reported(smollm2, smollm2_model, prose):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"window": 0}, "window must be a whole number >= 1"),
+    ({"recent": 0}, "recent must be a whole number >= 1"),
     ({"chunk": 0}, "chunk must be a whole number >= 1"),
     ({"n_sink": -1}, "n_sink must be a whole number >= 0"),
-    ({"window": 2.5}, "window must be a whole number"),
+    ({"recent": 2.5}, "recent must be a whole number"),
     ({"max_tokens": 0}, "max_tokens must be a whole number >= 1"),
-    ({"window": 400}, "window 400 is too large"),
+    ({"recent": 400}, "recent 400 is too large"),
     ({"budget": "lots"}, "is not a number"),
     ({"budget": 10}, "below the floor"),
     ({"method": "magic"}, "unknown compression method"),

@@ -182,9 +182,8 @@ def test_questions_after_the_document_find_what_eviction_dropped(qwen_model):
     budget = round(0.1 * n_doc)  # cells: a tenth of the document
     on = ask_all(qwen_model, doc, n_doc, budget=budget, recall=True)
     off = ask_all(qwen_model, doc, n_doc, budget=budget, recall=False)
-    streaming = ask_all(qwen_model, doc, n_doc, budget=budget, method="streaming")
-    print(f"found: full {sum(full)}/6, recall on {sum(on)}/6, recall off {sum(off)}/6, streaming {sum(streaming)}/6")
+    print(f"found: full {sum(full)}/6, recall on {sum(on)}/6, recall off {sum(off)}/6")
     # recall finds most of what the full cache finds (measured: 4 of 6 here; the target, all six, is missed:
-    # docs/recall.md); the controls, which keep only what the document's own reading chose, lose them
+    # docs/recall.md); the control, which keeps only what the document's own reading chose, loses them
     assert sum(on) >= 4
-    assert sum(off) + 3 <= sum(on) and sum(streaming) + 3 <= sum(on)
+    assert sum(off) + 3 <= sum(on)

@@ -67,6 +67,14 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text()
 
+    def wait_log(self, *fragments: str, timeout: float = 30) -> str:
+        """The log once it holds every fragment (a request's line is written after its reply is sent)."""
+        t0 = time.time()
+        while not all(f in (log := self.log()) for f in fragments):
+            assert time.time() - t0 < timeout, f"not in the server's log after {timeout} s: {fragments}\n{log}"
+            time.sleep(0.1)
+        return log
+
     def _wait_for_url(self, timeout: float = 180) -> str:
         t0 = time.time()
         while time.time() - t0 < timeout:
@@ -274,8 +282,7 @@ def test_follow_up_reuses_the_compressed_cache(server):
     # the server says how it found each conversation: the follow-up continued the cached one, the other did not
     assert reused["kv"]["cache_reused"] is True and fresh["kv"]["cache_reused"] is False
     assert reused["kv"]["tokens_reused"] == r1["kv"]["tokens_seen"] and fresh["kv"]["tokens_reused"] == 0
-    log = server.log()
-    assert f"continue · {n_reused:,} prompt + " in log and f"new · {n_fresh:,} prompt + " in log, log
+    server.wait_log(f"continue · {n_reused:,} prompt + ", f"new · {n_fresh:,} prompt + ")
     # what it decoded was the new message only: the fresh read is the first request's prompt, the reply and
     # the same new message; the reused read left out the first two
     history = n_fresh - n_reused - n1  # the reply as the fresh read tokenizes it
@@ -302,7 +309,7 @@ def test_client_leaving_mid_stream_stops_the_reply(server):
         time.sleep(0.1)
     else:
         raise AssertionError(f"the reply did not end within {WAIT} s after the client left: {h}")
-    line = [ln for ln in server.log().splitlines() if " cancelled " in ln][-1]
+    line = [ln for ln in server.wait_log(" cancelled ").splitlines() if " cancelled " in ln][-1]
     completion = int(re.search(r"\+ (\d+) completion", line).group(1))
     assert completion < 400, line
     # the conversation stays cached with its partial reply; the server goes on

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from kvlocal.compress import make_scorer
 from kvlocal.errors import UsageError
 from kvlocal.runtime import N_UBATCH, RowRecord
 
@@ -84,6 +85,19 @@ class EngineStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def resolve_recall(recall: bool | None, method: str, backend: str = "auto") -> bool:
+    """Whether an engine keeps a recall tier: ``None`` (auto) is on for the eviction methods — merged rows cannot
+    come back one by one — unless the native backend was asked for, which copies no rows out; the full cache
+    evicts nothing. UsageError, naming the fix, for recall with a merging method."""
+    merges = make_scorer(method).merges
+    if recall is None:
+        recall = not merges and backend != "native"
+    if recall and merges:
+        raise UsageError(f"--recall on does not work with --method {method}: a merged row stands for several tokens, "
+                         "so bringing one of them back would count it twice; use an eviction method (criticalkv)")
+    return bool(recall) and method != "full"
 
 
 @dataclass

@@ -62,7 +62,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, observation_window, plan_layers
-from kvlocal.engine.config import Budget, EngineConfig, EngineState, EngineStats
+from kvlocal.engine.config import Budget, EngineConfig, EngineState, EngineStats, resolve_recall
 from kvlocal.engine.interrupts import interrupts_deferred
 from kvlocal.engine.positions import reposition
 from kvlocal.errors import UsageError
@@ -113,12 +113,7 @@ class Engine:
         self.cfg = EngineConfig(budget, method, chunk, recent, n_sink, max_tokens)
         self.cfg.validate()
         self.scorer = make_scorer(method)
-        if recall is None:  # auto: on for the eviction methods (merged rows cannot come back one by one), off
-            recall = not self.scorer.merges and backend != "native"  # where the backend asked for has no rows out
-        recall = recall and method != "full"  # the full cache evicts nothing
-        if recall and self.scorer.merges:
-            raise UsageError(f"--recall on does not work with --method {method}: a merged row stands for several tokens, "
-                             "so bringing one of them back would count it twice; use an eviction method (criticalkv)")
+        recall = resolve_recall(recall, method, backend)
         resolve_backend(backend, method, type_k, type_v, recall=recall)  # a refusal before the model loads
         if method in BIAS_METHODS and not has_attention_bias():
             raise UsageError(f"--method {method} needs kvlocal's patched llama.cpp (a per-head attention bias, "

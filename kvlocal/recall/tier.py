@@ -54,9 +54,7 @@ class Pool:
             self._open_file()
 
     def _open_file(self) -> None:
-        d = os.fspath(self.spill_dir)
-        if not os.path.isdir(d):
-            raise UsageError(f"--recall-dir {d}: no such folder: create it, or leave --recall-dir out to keep the tier in RAM")
+        d = check_spill_dir(self.spill_dir)
         try:
             fd, path = tempfile.mkstemp(prefix="kvlocal-recall-", suffix=".tier", dir=d)
         except OSError as e:
@@ -368,6 +366,14 @@ def _grown(a: np.ndarray, n: int) -> np.ndarray:
     out = np.zeros((n, *a.shape[1:]), dtype=a.dtype)
     out[:len(a)] = a
     return out
+
+
+def check_spill_dir(path) -> str:
+    """``--recall-dir``: the folder, or UsageError naming the fix."""
+    d = os.fspath(path)
+    if not os.path.isdir(d):
+        raise UsageError(f"--recall-dir {d}: no such folder: create it, or leave --recall-dir out to keep the tier in RAM")
+    return d
 
 
 def parse_size(text: str) -> int:
