@@ -130,8 +130,9 @@ def targets(records: list[dict]) -> str:
         small = sorted({b for (_, b, _) in by if b <= 0.2})
         crit, snap = loss("criticalkv", small), loss("snapkv", small)
         ok = None if crit is None or snap is None else crit <= snap / 2
-        lines.append(f"- {model} · CriticalKV's mean compression loss ≤ ½ SnapKV's (budgets {', '.join(f'{b:g}' for b in small)}): "
-                     f"{_fmt(crit)} vs {_fmt(snap)} — {_verdict(ok)}")
+        if ok is not None:  # (a run without both methods has nothing to say here)
+            lines.append(f"- {model} · CriticalKV's mean compression loss ≤ ½ SnapKV's (budgets {', '.join(f'{b:g}' for b in small)}): "
+                         f"{_fmt(crit)} vs {_fmt(snap)} — {_verdict(ok)}")
         budgets = sorted({b for (_, b, _) in by if b < 1})
         if any(m == "kvslimmer" for (m, _, _) in by) and any(m == "meanmerge" for (m, _, _) in by):
             pairs = [(b, loss("kvslimmer", [b]), loss("meanmerge", [b])) for b in budgets]
