@@ -88,6 +88,20 @@ def smollm2_model(smollm2):
 
 
 @pytest.fixture(scope="session")
+def smollm2_ref(smollm2):
+    """The PyTorch reference of SmolLM2-135M Q4_1 (kvlocal.reference), built once per session (5 s, 0.5 GB).
+    Tests read it; none may change its weights. torch runs one thread: on a busy 2-core machine the barriers
+    of two threads per op made the same forward pass 10-40x slower."""
+    from policy import need
+
+    torch = need("torch")
+    torch.set_num_threads(1)
+    from kvlocal.reference import Transformer
+
+    return Transformer.from_gguf(smollm2)
+
+
+@pytest.fixture(scope="session")
 def qwen_model(qwen):
     from kvlocal.runtime import Model
 

@@ -192,13 +192,8 @@ def random_keeper(plan: Plan, rng):
 
 
 @pytest.fixture(scope="session")
-def ref_model(smollm2):
-    import torch
-
-    torch.set_num_threads(1)  # as tests/reference/conftest.py: two threads' barriers on a busy machine cost 10x
-    from kvlocal.reference import Transformer
-
-    return Transformer.from_gguf(smollm2)
+def ref_model(smollm2_ref):
+    return smollm2_ref
 
 
 @pytest.fixture(scope="session")

@@ -21,10 +21,8 @@ N_TOKENS = 512
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2):
-    from kvlocal.reference import Transformer
-
-    return Transformer.from_gguf(smollm2)
+def reference(smollm2_ref):
+    return smollm2_ref
 
 
 @pytest.fixture(scope="module")

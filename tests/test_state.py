@@ -194,7 +194,7 @@ def test_per_head_rows_read_back_and_are_used(smollm2_model, tokens):
     importlib.util.find_spec("torch") is None or importlib.util.find_spec("kvlocal.reference.model") is None,
     reason="needs torch and kvlocal.reference.model",
 )
-def test_per_head_rearrangement_matches_the_reference_model(smollm2, smollm2_model, tokens):
+def test_per_head_rearrangement_matches_the_reference_model(smollm2_ref, smollm2_model, tokens):
     """llama.cpp over a per-head rearranged cache against the PyTorch reference over the same rows.
 
     The reference runs the new token in float32 from dequantized weights over an explicit cache built
@@ -204,12 +204,12 @@ def test_per_head_rearrangement_matches_the_reference_model(smollm2, smollm2_mod
     """
     import torch
 
-    from kvlocal.reference import KVCache, Transformer
+    from kvlocal.reference import KVCache
 
     m = smollm2_model
     ctx = make_ctx(m, tokens)
     full = read_seq(ctx)
-    ref = Transformer.from_gguf(smollm2)
+    ref = smollm2_ref
     head_dim = full.k[0].shape[-1]
 
     def ref_logits(subsets: np.ndarray) -> np.ndarray:

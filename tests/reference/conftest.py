@@ -1,8 +1,8 @@
 """Fixtures of the reference tests: tiny generated GGUF models (four architectures × five weight types),
-the PyTorch reference of SmolLM2-135M Q4_1, and llama.cpp logits for a token sequence.
+and llama.cpp logits for a token sequence.
 
 The tests run llama.cpp for real (no mocks). The real models are the suite's own fixtures (tests/conftest.py:
-``smollm2``, ``smollm2_model``, ``gemma3``: pulled and loaded once per session).
+``smollm2``, ``smollm2_model``, ``smollm2_ref``, ``gemma3``: pulled and loaded once per session).
 """
 
 from __future__ import annotations
@@ -70,13 +70,6 @@ def sample_text() -> str:
     from kvlocal.eval.tasks import sample_text
 
     return sample_text()
-
-
-@pytest.fixture(scope="session")
-def smollm2_ref(smollm2):
-    from kvlocal.reference import Transformer
-
-    return Transformer.from_gguf(smollm2)
 
 
 @pytest.fixture(scope="session")
