@@ -30,6 +30,15 @@ def test_tasks_are_seeded_and_hold_their_answers():
                 assert e in " ".join(item.document.split()), (task, item.name, e)
 
 
+def test_a_document_longer_than_the_shipped_texts_is_a_usage_error():
+    from kvlocal.errors import UsageError
+
+    words = sum(len(s.split()) for s in sentences())
+    assert len(" ".join(_prose().take(words - 100, random.Random(0))).split()) >= words - 100  # all of it, once
+    with pytest.raises(UsageError, match=f"{words:,} tokens for this model's tokenizer.*give fewer --tokens"):
+        _prose().take(words + 100, random.Random(0))  # never by repeating the texts
+
+
 def test_multikey_asks_one_of_several_similar_facts():
     for item in make_items("multikey", _prose(), 800, 0):
         assert item.document.count("The pass code of the ") == 4

@@ -112,10 +112,12 @@ def run(args) -> int:
 
     t0 = time.perf_counter()
     new = []
-    for rec in execute(specs, paths, out / "results.jsonl", command, args.threads, o["items"], progress):
-        new.append(rec)
-        bar.update(1)
-    bar.close()
+    try:
+        for rec in execute(specs, paths, out / "results.jsonl", command, args.threads, o["items"], progress):
+            new.append(rec)
+            bar.update(1)
+    finally:  # an error's line starts on a line of its own; finished runs are recorded (rerun to continue)
+        bar.close()
     text, pngs = write_all(out / "results.jsonl", out)
     print(text)
     print(f"kvlocal eval: {len(new)} runs in {time.perf_counter() - t0:.0f} s, {skipped} already done; "

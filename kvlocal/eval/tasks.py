@@ -20,6 +20,8 @@ from functools import lru_cache
 from importlib import resources
 from typing import Callable
 
+from kvlocal.errors import UsageError
+
 TEXTS = ("data/sample.txt", "data/gpl-3.0.txt")
 
 def sample_text() -> str:
@@ -83,8 +85,10 @@ class Prose:
             out.append(s.lstrip() if not out else s)
             total += self.count(s)
             i += 1
-            if len(out) > len(pool):
-                raise ValueError(f"the shipped texts hold fewer than {n_tokens} tokens")
+            if len(out) > len(pool):  # (never repeated: a repeat is easy to retrieve and not real prose)
+                have = sum(self.count(x) for x in pool)
+                raise UsageError(f"--tokens: a document of {n_tokens:,} tokens does not fit in the shipped texts "
+                                 f"({have:,} tokens for this model's tokenizer): give fewer --tokens")
         return out
 
 
