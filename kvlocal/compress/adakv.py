@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlocal.compress.base import LayerInputs, Scorer, ranking, select, top_cells_per_head
+from kvlocal.compress.base import LayerInputs, Scorer, group_max, select, top_cells_per_head
 from kvlocal.compress.snapkv import SnapKV
 
 
@@ -84,4 +84,4 @@ class AdaKV(Scorer):
     def keep(self, layer: LayerInputs, budget: int) -> np.ndarray:
         scores = self.press.score(layer)
         budgets = head_budgets(scores, budget, layer.pos, layer.live, self.alpha_safeguard, self.max_share)
-        return select(ranking(self.press.rerank(layer, scores, budgets), layer), budgets, layer.pos, layer.live)
+        return select(group_max(self.press.rerank(layer, scores, budgets), layer.groups), budgets, layer.pos, layer.live)

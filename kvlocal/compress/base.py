@@ -295,11 +295,6 @@ def top_cells_per_head(scores: np.ndarray, ks: np.ndarray, pos: np.ndarray) -> l
     return out
 
 
-def ranking(scores: np.ndarray, layer: LayerInputs) -> np.ndarray:
-    """The ranking a scorer's ``scores`` give once the layer's groups apply (:func:`group_max`)."""
-    return group_max(scores, layer.groups)
-
-
 def group_max(scores: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
     """``scores`` [Hkv, n] with every grouped row (``groups >= 0``) raised to the best score of its group."""
     if groups is None or not (groups >= 0).any():
@@ -383,7 +378,8 @@ class Scorer:
 
     def keep(self, layer: LayerInputs, budget: int) -> np.ndarray:
         budgets = np.minimum(max(int(budget), 0), layer.n_live)
-        return select(ranking(self.rerank(layer, self.score(layer), budgets), layer), budgets, layer.pos, layer.live)
+        return select(group_max(self.rerank(layer, self.score(layer), budgets), layer.groups), budgets, layer.pos,
+                      layer.live)
 
     def max_slots(self, budget: int) -> int:
         """The most slots (cells) a plan at ``budget`` may have: the budget, unless heads share it unevenly."""
