@@ -319,7 +319,7 @@ def ctrl_c_prefill_seconds(smollm2_model, prose):
     return time.perf_counter() - t0
 
 
-@pytest.mark.parametrize("at", [0.1, 0.5, 0.85])
+@pytest.mark.parametrize("at", [0.1, 0.4, 0.7])  # (a warm prefill ran ~17% faster than the measured, first one)
 def test_ctrl_c_is_a_clean_stop(smollm2_model, prose, ctrl_c_prefill_seconds, at):
     """A real SIGINT (as Ctrl-C sends) at some point of a prefill with compression — inside llama.cpp,
     inside the query-capture callback, or in Python — stops it with KeyboardInterrupt and leaves the
