@@ -89,7 +89,7 @@ def check_recall_args(args) -> None:
     from kvlocal.runtime import resolve_backend
 
     kw = recall_args(args)
-    on = resolve_recall(kw["recall"], args.method, args.backend)
+    on = resolve_recall(kw["recall"], args.method)
     resolve_backend(args.backend, args.method, **cache_types(args), recall=on)
     if on and args.recall_dir is not None:
         check_spill_dir(args.recall_dir)

@@ -1,12 +1,15 @@
-"""The native KV backend: scoring and compaction on the cache's own device (patches 0010, 0011).
+"""The native KV backend: scoring, compaction and the recall tier's rows on the cache's own device
+(patches 0010, 0011, 0013).
 
 In the spirit of llama.cpp's ``test-backend-ops``, each new operation runs on the real runtime against an
 independent implementation on the host: ``llama_kv_compact`` against the rows the state backend reads
 before and after (K and both V layouts, F32/F16/BF16 caches, rows left empty), ``llama_kv_score`` against
 :mod:`kvlocal.compress.numpy_kernels` on the same K/V rows read through the state (window attention with a
-``log(count)`` / ``-inf`` bias, projected value norms through the model's own quantized ``attn_output``).
-Then the whole engine: the native and state backends on the same model and prompt keep identical sets
-on tiny F32 models of every architecture (Gemma 3's iSWA cache included), and on SmolLM2 Q4_1 a mean
+``log(count)`` / ``-inf`` bias, projected value norms through the model's own quantized ``attn_output``),
+``llama_kv_rows_get/set`` and ``llama_kv_cells_add`` against the state's bytes (a quantized cache's blocks
+included). Then the whole engine: the native and state backends on the same model and prompt keep identical sets
+on tiny F32 models of every architecture (Gemma 3's iSWA cache included) — with a recall tier too: the
+same rows come back, and only the moved rows cross — and on SmolLM2 Q4_1 a mean
 Jaccard of at least 0.95 with logits within the replay tolerance; refusals are one line. On a machine
 with a GPU, ``KVLOCAL_TEST_NGL=99`` runs the same checks with the cache on the device
 (``ggml_patches/gpu_check.sh``).
@@ -31,6 +34,7 @@ from kvlocal.compress import numpy_kernels  # noqa: E402
 from kvlocal.engine import Engine  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
 from kvlocal.runtime import Context, Model  # noqa: E402
+from kvlocal.runtime.seqstate import row_bytes, rows_to_bytes  # noqa: E402
 from kvlocal.runtime.state import read_seq  # noqa: E402
 from kvlocal.runtime.weights import output_projections  # noqa: E402
 from kvlocal.eval.tasks import sample_text  # noqa: E402
@@ -130,6 +134,67 @@ def test_score_matches_numpy_on_the_same_rows(smollm2_model, fa):
             np.testing.assert_allclose(norms[i, h], ref, rtol=1e-5)
 
 
+# -- llama_kv_rows_get / llama_kv_rows_set / llama_kv_cells_add -----------------------------------
+
+
+def state_bytes(kv, name: str, l: int, cells, heads, t) -> np.ndarray:
+    """Rows (cells, heads) of layer l as llama.cpp stores them, from the state read."""
+    rows = getattr(kv, name)[l][cells, heads]
+    return rows if rows.dtype == np.uint8 else rows_to_bytes(rows, t, rows.shape[-1])
+
+
+# llama.cpp stores a quantized V only with flash attention (V in rows)
+@pytest.mark.parametrize("cache,fa", [(c, fa) for c in ("f16", "f32", "bf16") for fa in (False, True)] + [("q8_0", True)])
+def test_rows_cross_between_the_device_and_the_host(tiny, fa, cache):
+    """Chosen (cell, head) rows out, other rows in, new cells given to the sequence: byte for byte what the
+    state reads, for both V layouts and a quantized cache's blocks."""
+    t = {"q8_0": 8, **TYPES}[cache]
+    model = Model(tiny["llama"], n_gpu_layers=NGL)
+    ctx = filled_context(model, fa, t)
+    n_layer, hkv, d = len(model.arch.full_layers), model.n_head_kv, model.arch.head_dim_k
+    rk, rv = row_bytes(t, d), row_bytes(t, model.arch.head_dim_v)
+    before = read_seq(ctx).copy()
+    rng = np.random.default_rng(2)
+    cells, heads = rng.integers(0, before.n, 40), rng.integers(0, hkv, 40)
+    cells[:6], heads[:6] = [7, 8, 9, 10, 11, 12], 1  # a run of adjacent rows: one copy
+    for l in range(n_layer):
+        k, v = ctx.get_rows(l, cells, heads, rk, rv)
+        assert np.array_equal(k, state_bytes(before, "k", l, cells, heads, t)), l
+        assert np.array_equal(v, state_bytes(before, "v", l, cells, heads, t)), l
+
+    # rows in: cell 20..29's rows of head 0 written into cells 100..109 of head 1
+    src, dst = np.arange(20, 30), np.arange(100, 110)
+    k, v = ctx.get_rows(0, src, np.zeros(10), rk, rv)
+    ctx.set_rows(0, dst, np.ones(10), k, v)
+    after = read_seq(ctx)
+    assert np.array_equal(state_bytes(after, "k", 0, dst, np.ones(10, int), t), k)
+    assert np.array_equal(state_bytes(after, "v", 0, dst, np.ones(10, int), t), v)
+    others = np.ones(before.n, bool)
+    others[dst] = False
+    assert np.array_equal(after.k[0][others], before.k[0][others])  # nothing else changed
+    assert np.array_equal(after.k[0][:, 0], before.k[0][:, 0]) and np.array_equal(after.v[1], before.v[1])
+
+    # new cells for the sequence at chosen positions, bias 0, written like any other
+    n = before.n
+    ctx.add_cells(np.arange(5000, 5004))
+    pos = ctx.cells()[1]
+    new = np.flatnonzero(pos >= 5000)  # free cells come first where they are: here, in the hole
+    assert len(pos) == n + 4 and sorted(pos[new].tolist()) == list(range(5000, 5004)) and new[0] < n
+    ctx.set_rows(0, new, np.zeros(4), k[:4], v[:4])
+    assert np.array_equal(state_bytes(read_seq(ctx), "k", 0, new, np.zeros(4, int), t), k[:4])
+    assert np.all(ctx.bias(model.arch.full_layers[0])[:, new] == 0)
+
+    with pytest.raises(ValueError, match="row size"):
+        ctx.get_rows(0, cells, heads, rk + 2, rv)
+    with pytest.raises(ValueError, match="row size"):
+        ctx.get_rows(0, [n + 4], [0], rk, rv)  # no such cell
+    with pytest.raises(ValueError, match="row size"):
+        ctx.get_rows(0, [0], [hkv], rk, rv)  # no such head
+    with pytest.raises(ValueError, match="cells are free"):
+        ctx.add_cells(np.arange(9000, 9000 + ctx.n_ctx))
+    assert len(ctx.cells()[0]) == n + 4  # a refused call changes nothing
+
+
 # -- the engine on both backends -----------------------------------------------------------------
 
 
@@ -156,6 +221,43 @@ def test_native_and_state_keep_identical_sets_on_tiny_f32_models(tiny, arch):
             assert np.array_equal(a.positions, b.positions), (arch, method)
         assert r_native == r_state, (arch, method)
         assert native.stats.host_kv_bytes == 0 < state.stats.host_kv_bytes
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_native_and_state_recall_the_same_rows(tiny, arch):
+    """With a recall tier: the same rows leave at every event and the same rows come back for a question
+    (bit-exact, F32 cache), on the native backend by copying only the rows that move."""
+    model = Model(tiny[arch], n_gpu_layers=NGL)
+    tokens = model.tokenize(sample_text())
+    engines = {}
+    for backend in ("native", "state"):
+        # 2x the budget of candidates: one exchange fits the native cache's free cells
+        eng = Engine(model, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, n_threads=THREADS, backend=backend,
+                     type_k=0, type_v=0, recall=True, recall_candidates=2)
+        eng.prefill(tokens[:500], probe=tokens[500:516])
+        eng.prefill_bytes, eng.prefill_rows_out = eng.kv.host_kv_bytes, eng.tier.rows_out
+        back = eng.recall(tokens[600:620])
+        eng.append(tokens[600:620])
+        eng.reply = list(eng.generate(8, stop_at_eog=False))
+        engines[backend] = eng, back
+    (native, back_n), (state, back_s) = engines["native"], engines["state"]
+    assert native.backend == "native" and back_n == back_s > 0
+    for a, b in zip(native.tier.heads, state.tier.heads):
+        for sa, sb in zip(a, b):
+            assert sa.n == sb.n and np.array_equal(sa.pos[:sa.n], sb.pos[:sb.n])
+            assert np.array_equal(sa.on_device[:sa.n], sb.on_device[:sb.n])
+            ids = np.arange(sa.n)
+            for x, y in zip(sa.rows(ids), sb.rows(ids)):
+                # Gemma 3: the two backends leave the sliding cache's cells in another order, so later
+                # tokens' K/V differ by summation order (up to ~1e-2 here); Llama's are bit-exact
+                np.testing.assert_allclose(x, y, rtol=0, atol=0 if arch == "llama" else 2e-2)
+    assert np.array_equal(native.last_plan.positions, state.last_plan.positions)
+    assert native.reply == state.reply
+    # the prefill's events: native copies exactly the rows that left (as the tier counts them), state
+    # reads and writes back the whole cache at every event
+    row = 2 * 4 * model.arch.head_dim_k  # one KV head's K and V row, F32
+    assert native.prefill_bytes == row * native.prefill_rows_out > 0
+    assert state.prefill_bytes > 1.5 * native.prefill_bytes
 
 
 def jaccard(a, b) -> np.ndarray:
@@ -200,12 +302,13 @@ def test_backend_choice_and_refusals(smollm2_model):
 def test_cli_backend_flag(smollm2, tmp_path):
     prompt = tmp_path / "p.txt"
     prompt.write_text(sample_text()[:2000])
-    r = run_cli("run", smollm2, "--prompt-file", str(prompt), "--budget", "96", "-n", "4", "--json", "--backend", "native")
+    r = run_cli("run", smollm2, "--prompt-file", str(prompt), "--budget", "96", "-n", "4", "--json", "--backend", "native",
+                "--recall", "off")
     assert r.returncode == 0, r.stderr
     import json
 
     out = json.loads(r.stdout)
-    assert out["backend"] == "native" and out["host_kv_bytes"] == 0 and out["compression_events"] >= 1
+    assert out["backend"] == "native" and out["host_kv_bytes"] == 0 and out["compression_events"] >= 1  # no tier: no row leaves
     r = run_cli("run", smollm2, "--prompt-file", str(prompt), "--budget", "96", "-n", "4", "--backend", "native",
                 "--method", "meanmerge")
     assert_usage_error(r, "--backend native", "--backend state")

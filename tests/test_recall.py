@@ -103,8 +103,7 @@ def test_a_restored_snapshot_forgets_the_undone_rows(tiny_llama):
 def test_recall_refusals_and_defaults(tiny_llama):
     with pytest.raises(UsageError, match="merged row"):
         Engine(tiny_llama, 64, "kvslimmer", max_tokens=500, recall=True)
-    with pytest.raises(UsageError, match="state backend only"):
-        Engine(tiny_llama, 64, "criticalkv", max_tokens=500, recall=True, backend="native")
+    assert Engine(tiny_llama, 64, "criticalkv", max_tokens=500, recall=None, backend="native").tier is not None
     assert Engine(tiny_llama, 64, "kvslimmer", max_tokens=500, recall=None).tier is None  # auto: off for merging
     assert Engine(tiny_llama, 64, "criticalkv", max_tokens=500, recall=None).tier is not None
     assert Engine(tiny_llama, 64, "full", max_tokens=500, recall=True).tier is None  # nothing is evicted

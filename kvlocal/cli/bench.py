@@ -8,8 +8,8 @@ One run, one runtime, the same prompt: every figure is a ratio of two measuremen
 The compressed run is repeated on each KV backend (``--backends``, default native and state where the
 runtime has both): the same prompt, method and budget.
 
-``--recall-cost`` measures the recall tier instead, per document length (``--contexts``): the document is
-read with recall on, then one question re-selects the cache (:meth:`kvlocal.engine.Engine.recall`); its
+``--recall-cost`` measures the recall tier instead, per document length (``--contexts``) and backend: the
+document is read with recall on, then one question re-selects the cache (:meth:`kvlocal.engine.Engine.recall`); its
 seconds (the question's probe decode included) as a share of the document's prefill (target <= 3%), the
 rows that crossed, and the host tier's bytes next to the device's KV bytes.
 """
@@ -125,35 +125,41 @@ def run_recall_cost(args, model: Model) -> int:
     """``--recall-cost``: one question's re-selection against the document's prefill, per length."""
     rows = []
     question = model.tokenize(QUESTION, add_special=False)
+    backends = args.backends or default_backends(args.method)
     for n in args.contexts:
-        print(f"reading {n:,} tokens with recall on, then one question", file=sys.stderr, flush=True)
         tokens = long_text(model, n)
-        eng = Engine(model, Budget.parse(args.budget), args.method, max_tokens=n + len(question) + 8,
-                     n_threads=args.threads, recall=True)
-        eng.prefill(tokens)  # a document read before any question: the generic probe
-        s = eng.stats
-        out0, in0 = s.recall_rows_out, s.recall_rows_in
-        t0 = time.perf_counter()
-        eng.recall(question)
-        seconds = time.perf_counter() - t0
-        rows.append(dict(tokens=n, prefill_seconds=s.prefill_seconds, recall_seconds=seconds,
-                         share=seconds / s.prefill_seconds, rows_in=s.recall_rows_in - in0,
-                         rows_out=s.recall_rows_out - out0, candidates=s.recall_candidates,
-                         host_tier_bytes=s.host_tier_bytes, kv_bytes_allocated=s.kv_bytes_allocated,
-                         budget_cells=s.budget_cells, compression_events=s.compression_events))
-        eng.tier.close()
+        for backend in backends:
+            print(f"reading {n:,} tokens with recall on ({backend} backend), then one question", file=sys.stderr, flush=True)
+            eng = Engine(model, Budget.parse(args.budget), args.method, max_tokens=n + len(question) + 8,
+                         n_threads=args.threads, recall=True, backend=backend)
+            eng.prefill(tokens)  # a document read before any question: the generic probe
+            s = eng.stats
+            out0, in0, copied0 = s.recall_rows_out, s.recall_rows_in, eng.kv.host_kv_bytes
+            t0 = time.perf_counter()
+            eng.recall(question)
+            seconds = time.perf_counter() - t0
+            rows.append(dict(tokens=n, backend=backend, prefill_seconds=s.prefill_seconds, recall_seconds=seconds,
+                             share=seconds / s.prefill_seconds, rows_in=s.recall_rows_in - in0,
+                             rows_out=s.recall_rows_out - out0, candidates=s.recall_candidates,
+                             prefill_host_kv_bytes=copied0, recall_host_kv_bytes=eng.kv.host_kv_bytes - copied0,
+                             host_tier_bytes=s.host_tier_bytes, kv_bytes_allocated=s.kv_bytes_allocated,
+                             budget_cells=s.budget_cells, compression_events=s.compression_events))
+            eng.tier.close()
     if args.json:
         print(json.dumps({"recall": rows}, indent=1))
         return 0
     mib = 2**20
     print(f"model {model.path.name} · method {args.method} · budget {args.budget} · one question after the document · "
           f"threads {args.threads or 'default'}")
-    print(f"{'tokens':>8} {'budget':>7} {'prefill s':>10} {'recall s':>9} {'share':>7} {'scored':>8} {'rows in':>8} "
-          f"{'rows out':>9} {'tier MiB':>9} {'KV MiB':>7}   target: share <= 3%")
+    print(f"{'tokens':>8} {'backend':>8} {'budget':>7} {'prefill s':>10} {'recall s':>9} {'share':>7} {'scored':>8} "
+          f"{'rows in':>8} {'rows out':>9} {'tier MiB':>9} {'KV MiB':>7} {'copied MiB':>11}   target: share <= 3%")
     for r in rows:
-        print(f"{r['tokens']:>8,} {r['budget_cells']:>7,} {r['prefill_seconds']:>10.1f} {r['recall_seconds']:>9.2f} "
-              f"{100 * r['share']:>6.2f}% {r['candidates']:>8,} {r['rows_in']:>8,} {r['rows_out']:>9,} "
-              f"{r['host_tier_bytes'] / mib:>9.1f} {r['kv_bytes_allocated'] / mib:>7.1f}")
+        print(f"{r['tokens']:>8,} {r['backend']:>8} {r['budget_cells']:>7,} {r['prefill_seconds']:>10.1f} "
+              f"{r['recall_seconds']:>9.2f} {100 * r['share']:>6.2f}% {r['candidates']:>8,} {r['rows_in']:>8,} "
+              f"{r['rows_out']:>9,} {r['host_tier_bytes'] / mib:>9.1f} {r['kv_bytes_allocated'] / mib:>7.1f} "
+              f"{r['recall_host_kv_bytes'] / mib:>11.1f}")
+    print("copied: K/V bytes the question moved between llama.cpp and the host (state: the cache out and back; "
+          "native: the candidates in, the evicted rows out)")
     return 0
 
 

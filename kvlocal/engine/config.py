@@ -87,13 +87,13 @@ class EngineStats:
         return asdict(self)
 
 
-def resolve_recall(recall: bool | None, method: str, backend: str = "auto") -> bool:
+def resolve_recall(recall: bool | None, method: str) -> bool:
     """Whether an engine keeps a recall tier: ``None`` (auto) is on for the eviction methods — merged rows cannot
-    come back one by one — unless the native backend was asked for, which copies no rows out; the full cache
-    evicts nothing. UsageError, naming the fix, for recall with a merging method."""
+    come back one by one; the full cache evicts nothing. UsageError, naming the fix, for recall with a
+    merging method."""
     merges = make_scorer(method).merges
     if recall is None:
-        recall = not merges and backend != "native"
+        recall = not merges
     if recall and merges:
         raise UsageError(f"--recall on does not work with --method {method}: a merged row stands for several tokens, "
                          "so bringing one of them back would count it twice; use an eviction method (criticalkv)")

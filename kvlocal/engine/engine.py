@@ -66,7 +66,7 @@ from kvlocal.engine.config import Budget, EngineConfig, EngineState, EngineStats
 from kvlocal.engine.interrupts import interrupts_deferred
 from kvlocal.engine.positions import reposition
 from kvlocal.errors import UsageError
-from kvlocal.recall import HostTier, choose_candidates, evicted_counts, store_evicted, with_candidates
+from kvlocal.recall import HostTier, choose_candidates, evicted, store_evicted, with_candidates
 from kvlocal.runtime import (CacheBasis, CacheLost, CacheRead, Context, Model, QueryCapture, Sampler, bytes_per_value,
                              has_attention_bias, kv_cache_bytes, make_backend, output_projections, pad_cells,
                              resolve_backend, row_format)
@@ -113,7 +113,7 @@ class Engine:
         self.cfg = EngineConfig(budget, method, chunk, recent, n_sink, max_tokens)
         self.cfg.validate()
         self.scorer = make_scorer(method)
-        recall = resolve_recall(recall, method, backend)
+        recall = resolve_recall(recall, method)
         resolve_backend(backend, method, type_k, type_v, recall=recall)  # a refusal before the model loads
         if method in BIAS_METHODS and not has_attention_bias():
             raise UsageError(f"--method {method} needs kvlocal's patched llama.cpp (a per-head attention bias, "
@@ -446,7 +446,7 @@ class Engine:
         t2 = clock()
         plan = self._plan(read, q, q_pos)
         t3 = clock()
-        self._apply(read, plan, read.n)
+        self._apply(read, plan)
         t4 = clock()
         s = self.stats
         s.compression_events += 1
@@ -466,16 +466,20 @@ class Engine:
         t0 = time.perf_counter()
         probe = self._probe_tokens(probe)
         q, q_pos = self._observe(probe)
-        read = self._read()
         w = observation_window(self.scorer) or len(probe)
         cands = choose_candidates(self.tier, [self.basis.queries(qi[:, -w:] * self._q_scale) for qi in q],
                                   int(self.recall_candidates * self.budget_cells))
         if cands.width == 0:
             return 0
-        union = with_candidates(read, self.tier, cands, self.recall_span)
-        plan = self._plan(union, q, q_pos)
         before = self.tier.rows_in
-        self._apply(union, plan, read.n, cands)
+        for part in cands.split(self.kv.room()):  # the native backend adds as many cells as are free at once
+            try:
+                union = with_candidates(self._read(), self.tier, part, self.kv, self.recall_span)
+                plan = self._plan(union, q, q_pos)
+            except BaseException:
+                self.kv.retract()  # the cells a native extension added leave again
+                raise
+            self._apply(union, plan)
         s = self.stats
         s.recall_events += 1
         s.recall_candidates += cands.n_rows
@@ -490,11 +494,17 @@ class Engine:
         self.last_plan = plan
         return plan
 
-    def _apply(self, read: CacheRead, plan: Plan, n_device: int, cands=None) -> None:
-        """Write ``plan`` into the cache; with a tier, the device rows it drops go there first (room for
-        them is made before the cache changes: a full disk fails here, the cache as it was)."""
+    def _apply(self, read: CacheRead, plan: Plan) -> None:
+        """Write ``plan`` into the cache; with a tier, the device rows it drops go there (room for them is made
+        and the rows are copied before the cache changes: a full disk fails here, the cache as it was)."""
         if self.tier is not None:
-            self.tier.reserve(evicted_counts(read, plan, n_device))
+            try:
+                gone = evicted(read, plan)
+                self.tier.reserve(np.stack([np.bincount(heads, minlength=plan.n_kv) for _, heads in gone]))
+                rows = [self.kv.take_rows(read, l, cells, heads) for l, (cells, heads) in enumerate(gone)]
+            except BaseException:
+                self.kv.retract()  # rows brought in for this plan leave again: the cache as it was
+                raise
         # the cells, the engine's record of them and the tier change together: a Ctrl-C waits for all
         with interrupts_deferred():
             try:
@@ -506,7 +516,7 @@ class Engine:
                 self._note_live()
             self._settled = max(self.budget_cells, plan.n_slots)
             if self.tier is not None:
-                store_evicted(self.tier, read, plan, self.basis, n_device, cands)
+                store_evicted(self.tier, read, plan, self.basis, gone, rows)
         s = self.stats
         s.host_kv_bytes, s.host_bytes_peak = self.kv.host_kv_bytes, self.kv.host_bytes_peak
         s.wo_cache_bytes = self._wo.nbytes if self._wo is not None else 0

@@ -36,6 +36,14 @@ class Candidates:
     def n_rows(self) -> int:
         return sum(len(i) for layer in self.ids for i in layer)
 
+    def split(self, width: int | None) -> list["Candidates"]:
+        """Parts of at most ``width`` rows per head (None: one part), each head's best pages first."""
+        if width is None or self.width <= width:
+            return [self]
+        width = max(1, width)
+        return [Candidates([[i[a:a + width] for i in layer] for layer in self.ids], width)
+                for a in range(0, self.width, width)]
+
 
 def choose_candidates(tier: HostTier, q: list[np.ndarray], n_rows: int) -> Candidates:
     """Per layer and KV head, the tier rows of the best pages by bound, until ``n_rows`` rows off the
@@ -60,12 +68,12 @@ def choose_candidates(tier: HostTier, q: list[np.ndarray], n_rows: int) -> Candi
     return Candidates(ids, max((len(i) for layer in ids for i in layer), default=0))
 
 
-def with_candidates(read, tier: HostTier, cands: Candidates, span: str = "row"):
-    """``read`` (a state-backend :class:`~kvlocal.runtime.CacheRead`) with the candidates appended as
-    ``cands.width`` more cells: per layer, head ``h``'s ``j``-th candidate sits in cell ``n + j``, rows a
-    head has no candidate for are empty (position -1, count 0). The blob of the real cells is kept (a
-    failed write loads it back). ``span="page"``: a tier page's rows rank together (its best row's score),
-    so a fact comes back whole or not at all; ``"row"``: each row on its own score."""
+def with_candidates(read, tier: HostTier, cands: Candidates, backend, span: str = "row"):
+    """``read`` extended by ``backend`` (:meth:`~kvlocal.runtime.KVBackend.extend`) with the candidates as
+    ``cands.width`` more cells: per layer, head ``h``'s ``j``-th candidate sits in new cell ``j``, rows a
+    head has no candidate for are empty (position -1, count 0). ``tier_ids`` says which rows came from
+    the tier. ``span="page"``: a tier page's rows rank together (its best row's score), so a fact comes
+    back whole or not at all; ``"row"``: each row on its own score."""
     n_layer, hkv = read.true.shape[:2]
     for l in range(n_layer):  # a row the device holds is never a candidate (its flag is set right here)
         for h, ids in enumerate(cands.ids[l]):
@@ -73,59 +81,69 @@ def with_candidates(read, tier: HostTier, cands: Candidates, span: str = "row"):
             if here.any():
                 tier.heads[l][h].on_device[ids[here]] = True
                 cands.ids[l][h] = ids[~here]
-    cands.width = max((len(i) for layer in cands.ids for i in layer), default=0)
-    kv, n, m = read.kv, read.n, cands.width
-    k_out, v_out = [], []
-    true = np.full((n_layer, hkv, n + m), -1, np.int64)
-    vnorm = np.full((n_layer, hkv, n + m), np.nan, np.float32)
-    count = np.zeros((n_layer, hkv, n + m), np.int64)
-    groups = np.full((n_layer, hkv, n + m), -1, np.int64) if span == "page" else None
-    true[:, :, :n], vnorm[:, :, :n], count[:, :, :n] = read.true, read.vnorm, read.count
+    cands.width = m = max((len(i) for layer in cands.ids for i in layer), default=0)
+    true = np.full((n_layer, hkv, m), -1, np.int64)
+    vnorm = np.full((n_layer, hkv, m), np.nan, np.float32)
+    count = np.zeros((n_layer, hkv, m), np.int64)
+    tier_ids = np.full((n_layer, hkv, m), -1, np.int64)
+    k_new, v_new = [], []
     for l in range(n_layer):
-        k = np.zeros((n + m, *kv.k[l].shape[1:]), dtype=kv.k[l].dtype)
-        v = np.zeros((n + m, *kv.v[l].shape[1:]), dtype=kv.v[l].dtype)
-        k[:n], v[:n] = kv.k[l], kv.v[l]
+        row_k, row_v = tier.heads[l][0].row_k, tier.heads[l][0].row_v
+        k = np.zeros((m, hkv, *row_k[1]), dtype=row_k[0])
+        v = np.zeros((m, hkv, *row_v[1]), dtype=row_v[0])
         for h, ids in enumerate(cands.ids[l]):
-            if not len(ids):
-                continue
             s = tier.heads[l][h]
-            rk, rv = s.rows(ids)
-            k[n:n + len(ids), h], v[n:n + len(ids), h] = rk, rv
-            true[l, h, n:n + len(ids)] = s.pos[ids]
-            vnorm[l, h, n:n + len(ids)] = s.vnorm[ids]
-            count[l, h, n:n + len(ids)] = 1
-            if groups is not None:
-                groups[l, h, n:n + len(ids)] = ids // PAGE
-        k_out.append(k)
-        v_out.append(v)
-    pos = np.concatenate([read.pos, np.full(m, -1, np.int64)])
-    union_kv = dataclasses.replace(kv, k=k_out, v=v_out, pos=pos.astype(np.int32))
-    return dataclasses.replace(read, pos=pos, true=true, vnorm=vnorm, count=count, kv=union_kv, groups=groups)
+            k[:len(ids), h], v[:len(ids), h] = s.rows(ids)
+            true[l, h, :len(ids)], vnorm[l, h, :len(ids)] = s.pos[ids], s.vnorm[ids]
+            count[l, h, :len(ids)], tier_ids[l, h, :len(ids)] = 1, ids
+        k_new.append(k)
+        v_new.append(v)
+    union, perm = backend.extend(read, k_new, v_new)
+
+    def join(device, new):
+        return np.concatenate([device, new], axis=2)[:, :, perm]
+
+    device_ids = np.full(read.true.shape, -1, np.int64)
+    groups = None
+    if span == "page":
+        groups = join(device_ids, np.where(tier_ids >= 0, tier_ids // PAGE, -1))
+    return dataclasses.replace(union, true=join(read.true, true), vnorm=join(read.vnorm, vnorm),
+                               count=join(read.count, count), groups=groups, tier_ids=join(device_ids, tier_ids))
 
 
-def evicted_counts(read, plan, n_device: int) -> np.ndarray:
-    """``[n_layer, Hkv]`` device rows (of the first ``n_device`` cells) that ``plan`` does not keep."""
-    live = read.true[:, :, :n_device] >= 0
-    kept = (plan.keep >= 0) & (plan.keep < n_device)
-    return live.sum(axis=2) - kept.sum(axis=2)
+def _from_tier(read) -> np.ndarray:
+    return read.tier_ids >= 0 if read.tier_ids is not None else np.zeros(read.true.shape, bool)
 
 
-def store_evicted(tier: HostTier, read, plan, basis, n_device: int, cands: Candidates | None = None) -> None:
-    """After ``plan`` was applied to ``read`` (a state-backend read, perhaps :func:`with_candidates`'s): the
-    device rows it dropped go to the tier (raw rows, their keys for the page bounds, their norms), the
-    candidates it kept are flagged as on the device."""
-    kv = read.kv
+def evicted(read, plan) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per compressed layer, the device rows ``plan`` drops from the cells of ``read`` (tier rows it does
+    not keep are not evicted: they never left the tier): ``(cells, heads)``, each head's in position order."""
+    out = []
+    device = (read.true >= 0) & ~_from_tier(read)
     for l in range(plan.n_layer):
+        kept = np.zeros((plan.n_kv, read.n), bool)
+        h, j = np.nonzero(plan.keep[l] >= 0)
+        kept[h, plan.keep[l][h, j]] = True
+        heads, cells = np.nonzero(device[l] & ~kept)
+        order = np.lexsort((read.true[l][heads, cells], heads))
+        out.append((cells[order], heads[order]))
+    return out
+
+
+def store_evicted(tier: HostTier, read, plan, basis, gone, rows) -> None:
+    """After ``plan`` was applied to ``read`` (perhaps :func:`with_candidates`'s): the device rows it
+    dropped (``gone``, :func:`evicted`; their K/V ``rows`` per layer, taken before the plan was applied)
+    go to the tier with their keys (for the page bounds) and norms; the tier rows it kept are flagged as
+    on the device."""
+    from_tier = _from_tier(read)
+    for l, ((cells, heads), (k, v)) in enumerate(zip(gone, rows)):
         for h in range(plan.n_kv):
+            sel = heads == h
+            if sel.any():
+                c = cells[sel]
+                tier.add(l, h, read.true[l, h, c], k[sel], v[sel], basis.keys(k[sel]), read.vnorm[l, h, c])
             keep = plan.keep[l, h]
             keep = keep[keep >= 0]
-            kept = np.zeros(read.n, bool)
-            kept[keep] = True
-            gone = np.flatnonzero((read.true[l, h, :n_device] >= 0) & ~kept[:n_device])
-            if len(gone):
-                gone = gone[np.argsort(read.true[l, h, gone], kind="stable")]
-                rows_k = kv.k[l][gone, h]
-                tier.add(l, h, read.true[l, h, gone], rows_k, kv.v[l][gone, h], basis.keys(rows_k), read.vnorm[l, h, gone])
-            if cands is not None and len(cands.ids[l][h]):
-                back = keep[keep >= n_device] - n_device
-                tier.mark(l, h, cands.ids[l][h][back])
+            back = keep[from_tier[l, h, keep]]
+            if len(back):
+                tier.mark(l, h, read.tier_ids[l, h, back])

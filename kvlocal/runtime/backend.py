@@ -25,7 +25,7 @@ import numpy as np
 
 from kvlocal.compress import BACKENDS, Plan
 from kvlocal.errors import UsageError
-from kvlocal.runtime.library import has_attention_bias, has_native_compression, runtime_info
+from kvlocal.runtime.library import has_attention_bias, has_native_compression, has_native_recall, runtime_info
 from kvlocal.runtime.state import clear_seq, get_blob, read_seq, set_blob
 
 BACKEND_NAMES = ("auto", "native", "state")
@@ -90,7 +90,8 @@ class RowRecord:
 class CacheRead:
     """What one event read of the cache: the cells' positions ``[n]`` in cell order and, per compressed
     layer, KV head and cell ``[n_layer, Hkv, n]``, each row's true position, value norm and count. The
-    state backend adds the rows themselves (``kv``, a :class:`~kvlocal.runtime.state.SeqKV`)."""
+    state backend adds the rows themselves (``kv``, a :class:`~kvlocal.runtime.state.SeqKV`). A read
+    :meth:`KVBackend.extend`-ed with rows of the recall tier says which rows came from it (``tier_ids``)."""
 
     pos: np.ndarray
     true: np.ndarray
@@ -98,6 +99,7 @@ class CacheRead:
     count: np.ndarray
     kv: object = None
     groups: np.ndarray | None = None  # [n_layer, Hkv, n] rows kept or dropped together (LayerInputs.groups)
+    tier_ids: np.ndarray | None = None  # [n_layer, Hkv, n] the recall tier's id of a row brought in, -1 for a device row
 
     @property
     def n(self) -> int:
@@ -142,6 +144,28 @@ class KVBackend:
     def apply(self, read: CacheRead, plan: Plan) -> None:
         """Write ``plan`` (made on ``read``) into the cache and update the record. All or nothing."""
         raise NotImplementedError
+
+    # -- the recall tier's rows ---------------------------------------------------------------------
+    def take_rows(self, read: CacheRead, l: int, cells: np.ndarray, heads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """K and V of KV head ``heads[i]`` in cell ``cells[i]`` (an index into ``read``) of compressed layer ``l``,
+        as the cache stores them (:func:`~kvlocal.runtime.seqstate.row_format`): the rows an event evicts,
+        taken before it is applied."""
+        raise NotImplementedError
+
+    def room(self) -> int | None:
+        """How many cells :meth:`extend` may add at once (None: no limit)."""
+        return None
+
+    def extend(self, read: CacheRead, k: list[np.ndarray], v: list[np.ndarray]) -> tuple[CacheRead, np.ndarray]:
+        """``read`` with ``m`` more cells holding rows brought back: per compressed layer ``k[l]``/``v[l]``
+        ``[m, Hkv, ...]`` (:func:`~kvlocal.runtime.seqstate.row_format`). Returns the extended read (its ``pos``
+        and rows; the per-row arrays are the caller's) and ``perm`` ``[n + m]``: cell ``i`` of the extended
+        read is ``i``-th of the old cells followed by the new ones at ``perm[i]``. Until the plan is applied,
+        :meth:`retract` undoes it."""
+        raise NotImplementedError
+
+    def retract(self) -> None:
+        """Undo an :meth:`extend` whose plan was not applied."""
 
     # -- the cells ----------------------------------------------------------------------------------
     def positions(self) -> np.ndarray:
@@ -200,8 +224,8 @@ def resolve_backend(backend: str, method: str, type_k: int | None = None, type_v
     why = None
     if "native" not in BACKENDS.get(method, ()):
         why = f"--method {method} runs on the state backend only (merging and DefensiveKV are computed on the host)"
-    elif recall:
-        why = "the recall tier runs on the state backend only (this llama.cpp copies no rows out of the device)"
+    elif recall and not has_native_recall():
+        why = "this llama.cpp copies no rows between the device and the recall tier (patch 0013): run `python ggml_patches/build.py`"
     elif any(t not in (None, 0, 1, 30) for t in (type_k, type_v)):  # f32, f16, bf16
         why = "a quantized KV cache runs on the state backend only (its rows would be re-quantized on the device)"
     elif not has_native_compression():

@@ -38,6 +38,17 @@ class StateBackend(KVBackend):
                 groups=None if read.groups is None else read.groups[i],
             )
 
+    def take_rows(self, read: CacheRead, l: int, cells: np.ndarray, heads: np.ndarray):
+        return read.kv.k[l][cells, heads], read.kv.v[l][cells, heads]
+
+    def extend(self, read: CacheRead, k: list[np.ndarray], v: list[np.ndarray]):
+        """The rows join the host copy as cells without a position of their own (-1)."""
+        kv, m = read.kv, len(k[0])
+        pos = np.concatenate([read.pos, np.full(m, -1, np.int64)])
+        union = dataclasses.replace(kv, k=[np.concatenate([a, b]) for a, b in zip(kv.k, k)],
+                                    v=[np.concatenate([a, b]) for a, b in zip(kv.v, v)], pos=pos.astype(np.int32))
+        return dataclasses.replace(read, pos=pos, kv=union), np.arange(read.n + m)
+
     def apply(self, read: CacheRead, plan: Plan) -> None:
         """Write the plan's rows into the cells: kept rows as they are, merged ones combined
         (:meth:`Plan.materialize`), each with its bias (``log(count)``, ``-inf`` for an empty slot)."""

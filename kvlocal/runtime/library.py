@@ -14,7 +14,7 @@ from kvlocal.errors import UsageError
 # everything in runtime/ was checked against this one.
 REQUIRED_LLAMA_CPP_PYTHON = "0.3.36"
 # LLAMA_KVLOCAL_ABI_VERSION written by the last patch in ggml_patches/
-REQUIRED_PATCH_ABI = 8
+REQUIRED_PATCH_ABI = 9
 
 BUILD_HINT = "run `python ggml_patches/build.py` (see README)"
 
@@ -123,6 +123,15 @@ def patch_functions():
              ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int32),
              ctypes.c_int32, ctypes.POINTER(ctypes.c_float)],
         ),
+        **{name: _symbol(
+            f"llama_kv_{name}", ctypes.c_int32,
+            [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
+             ctypes.POINTER(ctypes.c_int32), ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t],
+        ) for name in ("rows_get", "rows_set")},
+        "cells_add": _symbol(
+            "llama_kv_cells_add", ctypes.c_int32,
+            [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32)],
+        ),
     }
 
 
@@ -139,6 +148,13 @@ def has_native_compression() -> bool:
     ``native`` backend."""
     fns = patch_functions()
     return fns["compact"] is not None and fns["score"] is not None
+
+
+def has_native_recall() -> bool:
+    """Whether the runtime copies chosen K/V rows between the device and the host (patch 0013): the native
+    backend's recall tier."""
+    fns = patch_functions()
+    return all(fns[name] is not None for name in ("rows_get", "rows_set", "cells_add"))
 
 
 def runtime_info() -> RuntimeInfo:

@@ -149,6 +149,7 @@ class Context:
         # AUTO turns flash attention on, which removes kq_soft_max and is slower for decode on CPU
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.rope_freq_base = rope_freq_base
+        self.type_k, self.type_v = type_k, type_v  # None: llama.cpp's default (F16)
         if type_k is not None:
             params.type_k = type_k
         if type_v is not None:
@@ -321,6 +322,44 @@ class Context:
             raise ValueError(f"llama_kv_score refused: {why}")
         return attn, (vnorm if len(cells) else None)
 
+    def get_rows(self, l: int, cells: np.ndarray, heads: np.ndarray, row_k: int, row_v: int) -> tuple[np.ndarray, np.ndarray]:
+        """The K and V rows of KV head ``heads[i]`` in cell ``cells[i]`` (an index into :meth:`cells` order) of
+        compressed layer ``l``, as the cache stores them: uint8 ``[n, row_k]`` and ``[n, row_v]`` (``llama_kv_rows_get``,
+        patch 0013). Only these rows leave the device."""
+        cells, heads = _index(cells), _index(heads)
+        k = np.empty((len(cells), row_k), np.uint8)
+        v = np.empty((len(cells), row_v), np.uint8)
+        self._rows("rows_get", l, cells, heads, k, v)
+        return k, v
+
+    def set_rows(self, l: int, cells: np.ndarray, heads: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Write rows as :meth:`get_rows` returns them into the cells (``llama_kv_rows_set``, patch 0013)."""
+        self._rows("rows_set", l, _index(cells), _index(heads), np.ascontiguousarray(k, np.uint8), np.ascontiguousarray(v, np.uint8))
+
+    def _rows(self, name: str, l: int, cells: np.ndarray, heads: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        if len(cells) != len(heads) or len(k) != len(cells) or len(v) != len(cells):
+            raise ValueError(f"{name}: {len(cells)} cells, {len(heads)} heads, {len(k)} K rows, {len(v)} V rows")
+        i32 = ctypes.POINTER(ctypes.c_int32)
+        rc = self._patch_fn(name, "0013")(self._ptr, 0, l, len(cells), cells.ctypes.data_as(i32), heads.ctypes.data_as(i32),
+                                          k.ctypes.data, k.shape[1], v.ctypes.data, v.shape[1])
+        if rc != len(cells):
+            raise ValueError(f"llama_kv_{name} refused layer {l} (a cell, head or row size that does not match the cache)")
+
+    def add_cells(self, pos: np.ndarray) -> None:
+        """Give sequence 0 ``len(pos)`` free cells at positions ``pos``, bias 0, K/V as left (``llama_kv_cells_add``,
+        patch 0013): rows brought back are written into them. ValueError when too few cells are free."""
+        pos = _index(pos)
+        rc = self._patch_fn("cells_add", "0013")(self._ptr, 0, len(pos), pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)))
+        if rc != len(pos):
+            raise ValueError(f"llama_kv_cells_add: {'fewer than %d cells are free' % len(pos) if rc == -2 else 'invalid arguments'}")
+
+    @staticmethod
+    def _patch_fn(name: str, patch: str):
+        fn = patch_functions()[name]
+        if fn is None:
+            raise UsageError(f"this needs kvlocal's patched llama.cpp (patch {patch}): run `python ggml_patches/build.py`")
+        return fn
+
     @staticmethod
     def _bias_fn(name: str):
         fn = patch_functions()[name]
@@ -341,6 +380,10 @@ class Context:
         if n:
             fn(self._mem, 0, cells.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n)
         return cells, pos
+
+
+def _index(a) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int32)
 
 
 def swa_cache_cells(arch: ArchInfo, n_ctx: int, n_ubatch: int = 512) -> int:

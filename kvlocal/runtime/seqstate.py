@@ -137,6 +137,27 @@ def row_format(t: int | None, head_dim: int) -> tuple[np.dtype, tuple]:
     return np.dtype(np.uint8), (codec(t).row_bytes(head_dim),)
 
 
+def row_bytes(t: int | None, head_dim: int) -> int:
+    """Bytes one KV head's row of a cache of type t (None: F16) takes in llama.cpp."""
+    t = GGML_TYPE_F16 if t is None else t
+    return _ELEM_BYTES[t] * head_dim if t in _ARRAY_DTYPE else codec(t).row_bytes(head_dim)
+
+
+def rows_from_bytes(raw: np.ndarray, t: int | None) -> np.ndarray:
+    """``[n, row bytes]`` uint8 rows of type t (None: F16), as llama.cpp stores them → ``[n, *shape]`` in
+    :func:`row_format` (values, BF16 widened; raw bytes for a quantized type)."""
+    t = GGML_TYPE_F16 if t is None else t
+    return _rows_to_array(np.ascontiguousarray(raw).reshape(-1), t, len(raw), 1)[:, 0]
+
+
+def rows_to_bytes(rows: np.ndarray, t: int | None, head_dim: int) -> np.ndarray:
+    """The inverse of :func:`rows_from_bytes`: ``[n, row bytes]`` uint8."""
+    t = GGML_TYPE_F16 if t is None else t
+    out = np.empty((len(rows), row_bytes(t, head_dim)), np.uint8)
+    _put_rows(out.reshape(-1), rows, t)
+    return out
+
+
 def _rows_to_array(raw: np.ndarray, t: int, n: int, n_head_kv: int) -> np.ndarray:
     """Raw bytes of n rows of type t → [n, n_head_kv, head_dim] (a view for F16/F32), or
     [n, n_head_kv, head_bytes] uint8 for a quantized type."""
