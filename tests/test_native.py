@@ -6,8 +6,8 @@ independent implementation on the host: ``llama_kv_compact`` against the rows th
 before and after (K and both V layouts, F32/F16/BF16 caches, rows left empty), ``llama_kv_score`` against
 :mod:`kvlocal.compress.numpy_kernels` on the same K/V rows read through the state (window attention with a
 ``log(count)`` / ``-inf`` bias, projected value norms through the model's own quantized ``attn_output``),
-``llama_kv_rows_get/set`` and ``llama_kv_cells_add`` against the state's bytes (a quantized cache's blocks
-included). Then the whole engine: the native and state backends on the same model and prompt keep identical sets
+``llama_kv_rows_get/set`` against the state's bytes (a quantized cache's blocks included), and the score's
+outside mass (rows kept on the host) against one softmax over cells and rows. Then the whole engine: the native and state backends on the same model and prompt keep identical sets
 on tiny F32 models of every architecture (Gemma 3's iSWA cache included) — with a recall tier too: the
 same rows come back, and only the moved rows cross — and on SmolLM2 Q4_1 a mean
 Jaccard of at least 0.95 with logits within the replay tolerance; refusals are one line. On a machine
@@ -134,7 +134,34 @@ def test_score_matches_numpy_on_the_same_rows(smollm2_model, fa):
             np.testing.assert_allclose(norms[i, h], ref, rtol=1e-5)
 
 
-# -- llama_kv_rows_get / llama_kv_rows_set / llama_kv_cells_add -----------------------------------
+def test_score_normalizes_over_rows_on_the_host(smollm2_model):
+    """The outside mass: cells on the device and rows kept on the host scored as one softmax."""
+    model = smollm2_model
+    ctx = filled_context(model, False)
+    kv = read_seq(ctx)
+    n_layer, hq, hkv, d = len(model.arch.full_layers), model.n_head, model.n_head_kv, model.arch.head_dim_k
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((n_layer, hq, 8, d)).astype(np.float32)
+    host = rng.standard_normal((n_layer, hkv, 30, d)).astype(np.float32) * 4  # rows that are not in the cache
+    scale, g = 1 / math.sqrt(d), hq // hkv
+    logits = np.einsum("lhwd,lhmd->lhwm", q, np.repeat(host, g, axis=1)) * scale
+    logits[:, :g] = -np.inf  # KV head 0's query heads have no row outside: a -inf mass
+    peak = logits.max(axis=3)
+    with np.errstate(invalid="ignore"):
+        lse = np.where(np.isfinite(peak), peak + np.log(np.exp(logits - peak[..., None]).sum(axis=3)), -np.inf)
+    attn, _, share = ctx.score(q, scale, outside=lse.astype(np.float32))
+    for i in range(n_layer):
+        k = np.concatenate([kv.k[i].transpose(1, 0, 2).astype(np.float32), host[i]], axis=1)  # [Hkv, n + 30, d]
+        bias = np.zeros((hkv, kv.n + 30), np.float32)
+        bias[0, kv.n:] = -np.inf
+        ref = numpy_kernels.window_votes(q[i], np.full(8, 10**6), k, np.concatenate([kv.pos, np.arange(30)]), bias)
+        np.testing.assert_allclose(attn[i], ref[:, :kv.n], atol=1e-6)
+        with np.errstate(invalid="ignore"):
+            host_votes = np.nan_to_num(np.exp(logits[i] - lse[i][..., None]) * share[i][..., None]).mean(axis=1)
+        np.testing.assert_allclose(host_votes, ref[:, kv.n:], atol=1e-6)
+
+
+# -- llama_kv_rows_get / llama_kv_rows_set --------------------------------------------------------
 
 
 def state_bytes(kv, name: str, l: int, cells, heads, t) -> np.ndarray:
@@ -146,8 +173,8 @@ def state_bytes(kv, name: str, l: int, cells, heads, t) -> np.ndarray:
 # llama.cpp stores a quantized V only with flash attention (V in rows)
 @pytest.mark.parametrize("cache,fa", [(c, fa) for c in ("f16", "f32", "bf16") for fa in (False, True)] + [("q8_0", True)])
 def test_rows_cross_between_the_device_and_the_host(tiny, fa, cache):
-    """Chosen (cell, head) rows out, other rows in, new cells given to the sequence: byte for byte what the
-    state reads, for both V layouts and a quantized cache's blocks."""
+    """Chosen (cell, head) rows out, other rows in: byte for byte what the state reads, for both V layouts
+    and a quantized cache's blocks."""
     t = {"q8_0": 8, **TYPES}[cache]
     model = Model(tiny["llama"], n_gpu_layers=NGL)
     ctx = filled_context(model, fa, t)
@@ -174,25 +201,12 @@ def test_rows_cross_between_the_device_and_the_host(tiny, fa, cache):
     assert np.array_equal(after.k[0][others], before.k[0][others])  # nothing else changed
     assert np.array_equal(after.k[0][:, 0], before.k[0][:, 0]) and np.array_equal(after.v[1], before.v[1])
 
-    # new cells for the sequence at chosen positions, bias 0, written like any other
-    n = before.n
-    ctx.add_cells(np.arange(5000, 5004))
-    pos = ctx.cells()[1]
-    new = np.flatnonzero(pos >= 5000)  # free cells come first where they are: here, in the hole
-    assert len(pos) == n + 4 and sorted(pos[new].tolist()) == list(range(5000, 5004)) and new[0] < n
-    ctx.set_rows(0, new, np.zeros(4), k[:4], v[:4])
-    assert np.array_equal(state_bytes(read_seq(ctx), "k", 0, new, np.zeros(4, int), t), k[:4])
-    assert np.all(ctx.bias(model.arch.full_layers[0])[:, new] == 0)
-
     with pytest.raises(ValueError, match="row size"):
         ctx.get_rows(0, cells, heads, rk + 2, rv)
     with pytest.raises(ValueError, match="row size"):
-        ctx.get_rows(0, [n + 4], [0], rk, rv)  # no such cell
+        ctx.get_rows(0, [before.n], [0], rk, rv)  # no such cell
     with pytest.raises(ValueError, match="row size"):
         ctx.get_rows(0, [0], [hkv], rk, rv)  # no such head
-    with pytest.raises(ValueError, match="cells are free"):
-        ctx.add_cells(np.arange(9000, 9000 + ctx.n_ctx))
-    assert len(ctx.cells()[0]) == n + 4  # a refused call changes nothing
 
 
 # -- the engine on both backends -----------------------------------------------------------------
@@ -226,17 +240,18 @@ def test_native_and_state_keep_identical_sets_on_tiny_f32_models(tiny, arch):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_native_and_state_recall_the_same_rows(tiny, arch):
     """With a recall tier: the same rows leave at every event and the same rows come back for a question
-    (bit-exact, F32 cache), on the native backend by copying only the rows that move."""
+    (F32 cache), on the native backend by copying only the rows that move: the tier's candidates are scored
+    on the host inside the device's softmax (the score's outside mass)."""
     model = Model(tiny[arch], n_gpu_layers=NGL)
     tokens = model.tokenize(sample_text())
     engines = {}
     for backend in ("native", "state"):
-        # 2x the budget of candidates: one exchange fits the native cache's free cells
         eng = Engine(model, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, n_threads=THREADS, backend=backend,
-                     type_k=0, type_v=0, recall=True, recall_candidates=2)
+                     type_k=0, type_v=0, recall=True)
         eng.prefill(tokens[:500], probe=tokens[500:516])
         eng.prefill_bytes, eng.prefill_rows_out = eng.kv.host_kv_bytes, eng.tier.rows_out
         back = eng.recall(tokens[600:620])
+        eng.recall_bytes, eng.recall_rows_out = eng.kv.host_kv_bytes - eng.prefill_bytes, eng.tier.rows_out - eng.prefill_rows_out
         eng.append(tokens[600:620])
         eng.reply = list(eng.generate(8, stop_at_eog=False))
         engines[backend] = eng, back
@@ -253,11 +268,12 @@ def test_native_and_state_recall_the_same_rows(tiny, arch):
                 np.testing.assert_allclose(x, y, rtol=0, atol=0 if arch == "llama" else 2e-2)
     assert np.array_equal(native.last_plan.positions, state.last_plan.positions)
     assert native.reply == state.reply
-    # the prefill's events: native copies exactly the rows that left (as the tier counts them), state
-    # reads and writes back the whole cache at every event
+    # native copies exactly the rows that move, as the tier counts them: at the prefill's events the rows that
+    # left, at the question those plus the rows that came back; state reads and writes back the whole cache
     row = 2 * 4 * model.arch.head_dim_k  # one KV head's K and V row, F32
     assert native.prefill_bytes == row * native.prefill_rows_out > 0
-    assert state.prefill_bytes > 1.5 * native.prefill_bytes
+    assert native.recall_bytes == row * (native.recall_rows_out + back_n) > 0
+    assert state.prefill_bytes > 1.5 * native.prefill_bytes and state.recall_bytes > 1.5 * native.recall_bytes
 
 
 def jaccard(a, b) -> np.ndarray:

@@ -38,7 +38,7 @@ def cmd_doctor(args) -> int:
 
         rows.append(("native", f"compression on the cache's device (--backend native): {', '.join(sorted(NATIVE_METHODS - {'full'}))}"
                      if has_native_compression() else
-                     "not available (patches 0010-0012): compression reads K/V to the host (--backend state)"))
+                     "not available (patches 0010-0013): compression reads K/V to the host (--backend state)"))
     except UsageError as e:
         rows.append(("runtime", f"NOT AVAILABLE: {e}"))
         problems += 1

@@ -159,7 +159,7 @@ def run_recall_cost(args, model: Model) -> int:
               f"{r['rows_out']:>9,} {r['host_tier_bytes'] / mib:>9.1f} {r['kv_bytes_allocated'] / mib:>7.1f} "
               f"{r['recall_host_kv_bytes'] / mib:>11.1f}")
     print("copied: K/V bytes the question moved between llama.cpp and the host (state: the cache out and back; "
-          "native: the candidates in, the evicted rows out)")
+          "native: only the rows brought back in and the evicted rows out)")
     return 0
 
 

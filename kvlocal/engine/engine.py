@@ -472,14 +472,8 @@ class Engine:
         if cands.width == 0:
             return 0
         before = self.tier.rows_in
-        for part in cands.split(self.kv.room()):  # the native backend adds as many cells as are free at once
-            try:
-                union = with_candidates(self._read(), self.tier, part, self.kv, self.recall_span)
-                plan = self._plan(union, q, q_pos)
-            except BaseException:
-                self.kv.retract()  # the cells a native extension added leave again
-                raise
-            self._apply(union, plan)
+        union = with_candidates(self._read(), self.tier, cands, self.kv, self.recall_span)
+        self._apply(union, self._plan(union, q, q_pos))
         s = self.stats
         s.recall_events += 1
         s.recall_candidates += cands.n_rows
@@ -498,13 +492,9 @@ class Engine:
         """Write ``plan`` into the cache; with a tier, the device rows it drops go there (room for them is made
         and the rows are copied before the cache changes: a full disk fails here, the cache as it was)."""
         if self.tier is not None:
-            try:
-                gone = evicted(read, plan)
-                self.tier.reserve(np.stack([np.bincount(heads, minlength=plan.n_kv) for _, heads in gone]))
-                rows = [self.kv.take_rows(read, l, cells, heads) for l, (cells, heads) in enumerate(gone)]
-            except BaseException:
-                self.kv.retract()  # rows brought in for this plan leave again: the cache as it was
-                raise
+            gone = evicted(read, plan)
+            self.tier.reserve(np.stack([np.bincount(heads, minlength=plan.n_kv) for _, heads in gone]))
+            rows = [self.kv.take_rows(read, l, cells, heads) for l, (cells, heads) in enumerate(gone)]
         # the cells, the engine's record of them and the tier change together: a Ctrl-C waits for all
         with interrupts_deferred():
             try:

@@ -36,14 +36,6 @@ class Candidates:
     def n_rows(self) -> int:
         return sum(len(i) for layer in self.ids for i in layer)
 
-    def split(self, width: int | None) -> list["Candidates"]:
-        """Parts of at most ``width`` rows per head (None: one part), each head's best pages first."""
-        if width is None or self.width <= width:
-            return [self]
-        width = max(1, width)
-        return [Candidates([[i[a:a + width] for i in layer] for layer in self.ids], width)
-                for a in range(0, self.width, width)]
-
 
 def choose_candidates(tier: HostTier, q: list[np.ndarray], n_rows: int) -> Candidates:
     """Per layer and KV head, the tier rows of the best pages by bound, until ``n_rows`` rows off the

@@ -152,20 +152,13 @@ class KVBackend:
         taken before it is applied."""
         raise NotImplementedError
 
-    def room(self) -> int | None:
-        """How many cells :meth:`extend` may add at once (None: no limit)."""
-        return None
-
     def extend(self, read: CacheRead, k: list[np.ndarray], v: list[np.ndarray]) -> tuple[CacheRead, np.ndarray]:
-        """``read`` with ``m`` more cells holding rows brought back: per compressed layer ``k[l]``/``v[l]``
-        ``[m, Hkv, ...]`` (:func:`~kvlocal.runtime.seqstate.row_format`). Returns the extended read (its ``pos``
-        and rows; the per-row arrays are the caller's) and ``perm`` ``[n + m]``: cell ``i`` of the extended
-        read is ``i``-th of the old cells followed by the new ones at ``perm[i]``. Until the plan is applied,
-        :meth:`retract` undoes it."""
+        """``read`` with ``m`` more cells holding candidate rows from the recall tier: per compressed layer
+        ``k[l]``/``v[l]`` ``[m, Hkv, ...]`` (:func:`~kvlocal.runtime.seqstate.row_format`). Returns the extended
+        read (its ``pos`` and rows; the per-row arrays are the caller's) and ``perm`` ``[n + m]``: cell ``i``
+        of the extended read is ``i``-th of the old cells followed by the new ones at ``perm[i]``. Nothing
+        changes in llama.cpp until a plan is applied."""
         raise NotImplementedError
-
-    def retract(self) -> None:
-        """Undo an :meth:`extend` whose plan was not applied."""
 
     # -- the cells ----------------------------------------------------------------------------------
     def positions(self) -> np.ndarray:

@@ -121,17 +121,13 @@ def patch_functions():
             "llama_kv_score", ctypes.c_int32,
             [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_int32, ctypes.c_float,
              ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int32),
-             ctypes.c_int32, ctypes.POINTER(ctypes.c_float)],
+             ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_float)],
         ),
         **{name: _symbol(
             f"llama_kv_{name}", ctypes.c_int32,
             [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
              ctypes.POINTER(ctypes.c_int32), ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t],
         ) for name in ("rows_get", "rows_set")},
-        "cells_add": _symbol(
-            "llama_kv_cells_add", ctypes.c_int32,
-            [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32)],
-        ),
     }
 
 
@@ -154,7 +150,7 @@ def has_native_recall() -> bool:
     """Whether the runtime copies chosen K/V rows between the device and the host (patch 0013): the native
     backend's recall tier."""
     fns = patch_functions()
-    return all(fns[name] is not None for name in ("rows_get", "rows_set", "cells_add"))
+    return fns["rows_get"] is not None and fns["rows_set"] is not None
 
 
 def runtime_info() -> RuntimeInfo:

@@ -292,14 +292,16 @@ class Context:
             raise ValueError(f"llama_kv_compact refused: {why}")
 
     def score(self, q: np.ndarray, scale: float, bias: np.ndarray | None = None,
-              vnorm_cells: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-        """Score the cells of sequence 0 on their device (``llama_kv_score``, patch 0011).
+              vnorm_cells: np.ndarray | None = None, outside: np.ndarray | None = None):
+        """Score the cells of sequence 0 on their device (``llama_kv_score``, patches 0011, 0013).
 
         ``q``: ``[n_layer, Hq, w, d]`` float32 window queries after RoPE (the compressed layers), logits
         ``scale * q·k + bias`` (``bias`` ``[n_layer, Hkv, n]``, None: 0). Returns the softmax attention of
         each query head averaged over the window, ``[n_layer, Hq, n]`` (cells in :meth:`cells` order), and
         for the cells ``vnorm_cells`` the projected value norm ``mean_h ||v · W_O^h||_1`` over each KV
-        head's query heads, ``[n_layer, Hkv, len(vnorm_cells)]`` (None without cells)."""
+        head's query heads, ``[n_layer, Hkv, len(vnorm_cells)]`` (None without cells). ``outside``
+        ``[n_layer, Hq, w]``: the log of a softmax mass outside the cells (rows on the host), normalized
+        over with them; then a third result, each query's softmax weight of it ``[n_layer, Hq, w]``."""
         fn = patch_functions()["score"]
         if fn is None:
             raise UsageError("on-device scoring needs kvlocal's patched llama.cpp (patch 0011): run `python ggml_patches/build.py`")
@@ -313,14 +315,20 @@ class Context:
         cells = np.ascontiguousarray(np.zeros(0) if vnorm_cells is None else vnorm_cells, dtype=np.int32)
         attn = np.empty((n_layer, hq, n), dtype=np.float32)
         vnorm = np.empty((n_layer, hkv, len(cells)), dtype=np.float32)
+        x = None if outside is None else np.ascontiguousarray(outside, dtype=np.float32)
+        if x is not None and x.shape != (n_layer, hq, w):
+            raise ValueError(f"score: outside {x.shape} is not [{n_layer}, {hq}, {w}]")
+        x_attn = np.empty((n_layer, hq, w), dtype=np.float32)
         f32 = ctypes.POINTER(ctypes.c_float)
         rc = fn(self._ptr, 0, q.ctypes.data_as(f32), w, float(scale), None if b is None else b.ctypes.data_as(f32),
                 attn.ctypes.data_as(f32), cells.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(cells),
-                vnorm.ctypes.data_as(f32))
+                vnorm.ctypes.data_as(f32), None if x is None else x.ctypes.data_as(f32),
+                None if x is None else x_attn.ctypes.data_as(f32))
         if rc != n:
             why = {-2: "a quantized cache", -3: "the graph failed"}.get(rc, "invalid arguments")
             raise ValueError(f"llama_kv_score refused: {why}")
-        return attn, (vnorm if len(cells) else None)
+        out = attn, (vnorm if len(cells) else None)
+        return out if x is None else (*out, x_attn)
 
     def get_rows(self, l: int, cells: np.ndarray, heads: np.ndarray, row_k: int, row_v: int) -> tuple[np.ndarray, np.ndarray]:
         """The K and V rows of KV head ``heads[i]`` in cell ``cells[i]`` (an index into :meth:`cells` order) of
@@ -344,14 +352,6 @@ class Context:
                                           k.ctypes.data, k.shape[1], v.ctypes.data, v.shape[1])
         if rc != len(cells):
             raise ValueError(f"llama_kv_{name} refused layer {l} (a cell, head or row size that does not match the cache)")
-
-    def add_cells(self, pos: np.ndarray) -> None:
-        """Give sequence 0 ``len(pos)`` free cells at positions ``pos``, bias 0, K/V as left (``llama_kv_cells_add``,
-        patch 0013): rows brought back are written into them. ValueError when too few cells are free."""
-        pos = _index(pos)
-        rc = self._patch_fn("cells_add", "0013")(self._ptr, 0, len(pos), pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)))
-        if rc != len(pos):
-            raise ValueError(f"llama_kv_cells_add: {'fewer than %d cells are free' % len(pos) if rc == -2 else 'invalid arguments'}")
 
     @staticmethod
     def _patch_fn(name: str, patch: str):
