@@ -61,6 +61,7 @@ class ChatSettings:
     recall: bool | None = None  # the recall tier (None: on for eviction methods): evicted rows kept on the host
     recall_mem: int | None = None  # bytes of RAM the tier may use (None: no limit)
     recall_dir: str | None = None  # a folder for the tier's memory-mapped file past recall_mem
+    pin_system: bool = True  # the system message is never evicted
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class ChatStats:
     kv_bytes: int  # K/V bytes llama.cpp allocated for this chat (both caches of a sliding-window model)
     kv_bytes_full: int  # what a stock llama.cpp cache for tokens_seen would allocate
     host_tier_bytes: int  # the recall tier's host memory (0 with recall off)
+    kv_cells_pinned: int  # cells of the system message, never evicted
     compression_events: int
     repositions: int  # times positions were moved back under the trained context
     prompt_tokens_per_s: float  # the last turn (or read) alone
@@ -104,6 +106,7 @@ class Chat:
         recall: bool | None = None,
         recall_mem: int | str | None = None,
         recall_dir: str | os.PathLike | None = None,
+        pin_system: bool = True,
     ):
         for t in (cache_type_k, cache_type_v):
             cache_type(t)  # UsageError naming the choices, before a model is loaded
@@ -111,7 +114,7 @@ class Chat:
             recall_mem = parse_size(recall_mem)
         settings = ChatSettings(str(Budget.parse(budget)), method, ctx_size, chunk, recent, flash_attn, system, max_reply,
                                 cache_type_k.lower(), cache_type_v.lower(), backend, recall, recall_mem,
-                                None if recall_dir is None else os.fspath(recall_dir))
+                                None if recall_dir is None else os.fspath(recall_dir), pin_system)
         if isinstance(model, Model):
             self.model, self._own_model = model, False
         else:
@@ -126,7 +129,7 @@ class Chat:
         try:
             self.settings = settings
             self.engine = self._new_engine(settings)
-            self.session = ChatSession(self.engine, self.sampler, system=system)
+            self.session = ChatSession(self.engine, self.sampler, system=system, pin_system=pin_system)
         except BaseException:
             self.close()
             raise
@@ -222,7 +225,7 @@ class Chat:
                 tokens_seen=seen, kv_tokens_kept=s.kv_cells_live, kv_cells_allocated=s.n_ctx, budget_cells=e.budget_cells,
                 kv_bytes=s.kv_bytes_allocated, kv_bytes_full=sum(kv_cache_bytes(self.model, pad_cells(max(seen, 1)), bias=False,
                                                                  bytes_per_elem=self.engine.bytes_per_value)),
-                host_tier_bytes=s.host_tier_bytes,
+                host_tier_bytes=s.host_tier_bytes, kv_cells_pinned=s.kv_cells_pinned,
                 compression_events=s.compression_events, repositions=s.repositions,
                 prompt_tokens_per_s=self._turn_rates[0], gen_tokens_per_s=self._turn_rates[1],
                 method=self.settings.method, budget=self.settings.budget)
@@ -297,7 +300,7 @@ class Chat:
                    ctx_size=s.ctx_size, chunk=s.chunk, recent=s.recent, max_reply=s.max_reply,
                    n_gpu_layers=n_gpu_layers, flash_attn=s.flash_attn, n_threads=n_threads,
                    cache_type_k=s.cache_type_k, cache_type_v=s.cache_type_v, backend=s.backend, recall=s.recall,
-                   recall_mem=s.recall_mem, recall_dir=s.recall_dir)
+                   recall_mem=s.recall_mem, recall_dir=s.recall_dir, pin_system=s.pin_system)
         try:
             a, e = f.arrays, h["engine"]
             if chat.engine.tier is not None and "tier_n" in a:
@@ -376,12 +379,13 @@ class Chat:
         """A new engine holding ``transcript`` (read again), swapped in only when it is complete."""
         engine = self._new_engine(settings)
         try:
-            session = ChatSession(engine, self.sampler)
+            session = ChatSession(engine, self.sampler, pin_system=settings.pin_system)
             session.t = transcript
             if transcript.fed_text:
                 users = [m["content"] for m in transcript.messages if m["role"] == "user"]
                 tokens = self.model.tokenize(transcript.fed_text, add_special=True, parse_special=True)
                 probe = self.model.tokenize(users[-1], add_special=False) if users else None
+                session.pin(tokens)
                 engine.prefill(tokens, probe=probe, progress=progress)
         except BaseException:
             engine.ctx.close()

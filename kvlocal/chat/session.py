@@ -41,9 +41,10 @@ class Transcript:
 
 
 class ChatSession:
-    def __init__(self, engine: Engine, sampler: Sampler, system: str | None = None):
+    def __init__(self, engine: Engine, sampler: Sampler, system: str | None = None, pin_system: bool = True):
         self.engine, self.model, self.sampler = engine, engine.model, sampler
         self.t = Transcript([{"role": "system", "content": system}] if system else [])
+        self.pin_system = pin_system  # the system message's tokens are never evicted (:meth:`pin`)
         self.interrupted = False  # the last reply was cut short (Ctrl-C, or its reader stopped)
 
     @property
@@ -61,6 +62,7 @@ class ChatSession:
             self.t.pending = pending  # a template that moves the content: the document goes in with the question
             return len(self.model.tokenize(block, add_special=False))
         tokens = self._tokens(rendered[len(self.t.fed_text):cut])
+        self.pin(tokens)
         self.engine.append(tokens, probe=None, progress=progress)
         self.t.pending, self.t.fed_text = pending, rendered[:cut]
         return len(tokens)
@@ -72,6 +74,7 @@ class ChatSession:
             return 0
         self.t.messages.extend({"role": m["role"], "content": m["content"]} for m in messages)
         tokens = self._tokens(self._delta(add_assistant=False))
+        self.pin(tokens)
         self.engine.append(tokens, probe=tokens, progress=progress)
         self.t.fed_text = self.model.chat_prompt(self.t.messages, add_assistant=False)
         return len(tokens)
@@ -83,9 +86,26 @@ class ChatSession:
         t.messages.append({"role": "user", "content": t.pending + user_text})
         t.pending = ""
         tokens = self._tokens(self._delta(add_assistant=True))
+        self.pin(tokens)
         self.engine.append(tokens, probe=tokens, progress=progress, recall=True)
         t.fed_text = self.model.chat_prompt(t.messages, add_assistant=True)
         return self._reply(max_tokens)
+
+    def pin(self, tokens: list[int]) -> None:
+        """Before the session's first ``tokens`` go in: pin those of its system message — the template's
+        opening and the message, as far as two conversations with different user turns share them — so
+        that no compression evicts them (:meth:`Engine.pin`)."""
+        m = self.t.messages
+        if not self.pin_system or self.engine.n_past or not m or m[0]["role"] != "system":
+            return
+        a, b = (self.model.tokenize(self.model.chat_prompt([m[0], {"role": "user", "content": u}], add_assistant=False),
+                                    add_special=True, parse_special=True) for u in ("A", "B"))
+        n = 0
+        for x, y, z in zip(a, b, tokens):
+            if not x == y == z:
+                break
+            n += 1
+        self.engine.pin(n)
 
     def _delta(self, add_assistant: bool) -> str:
         """The text to decode for the messages not fed yet: the rendered conversation past ``fed_text``."""

@@ -182,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_budget_args(p)
     p.add_argument("-n", "--n-predict", type=int, default=512, help="most tokens per reply (default 512)")
     p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--pin-system", choices=("on", "off"), default="on",
+                   help="never evict the system message (default on; it counts in the budget)")
     p.add_argument("--file", action="append", metavar="DOC", help="read a text file into the chat before the first "
                    "message (repeatable); ask about it after")
     p.add_argument("--load", metavar="PATH", help="continue a chat saved with /save (the same model)")

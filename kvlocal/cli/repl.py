@@ -160,7 +160,8 @@ class Repl:
             ("model", f"{self.chat.model.path.name}"),
             ("method", f"{s.method}, budget {s.budget}: {s.budget_cells:,} cells ({s.kv_cells_allocated:,} allocated)"),
             ("tokens", f"{s.tokens_seen:,} seen ({e.prompt_tokens:,} read, {e.generated_tokens:,} generated, "
-                       f"{e.end_tokens:,} end-of-reply), {s.kv_tokens_kept:,} kept"),
+                       f"{e.end_tokens:,} end-of-reply), {s.kv_tokens_kept:,} kept"
+                       + (f", {s.kv_cells_pinned:,} of them the system message's (never evicted)" if s.kv_cells_pinned else "")),
             ("KV memory", f"{s.kv_bytes / mib:,.1f} MiB (K {self.chat.settings.cache_type_k}, V {self.chat.settings.cache_type_v}); "
                           f"a full cache for {s.tokens_seen:,} tokens: {s.kv_bytes_full / mib:,.1f} MiB"),
             ("compression", f"{s.compression_events} events, {e.compression_seconds:.2f} s"
@@ -299,7 +300,7 @@ def run(args) -> int:
             chat = Chat(model, args.budget, args.method, system=args.system, sampler=sampler, ctx_size=args.ctx_size,
                         chunk=args.chunk, recent=args.recent, max_reply=args.n_predict, flash_attn=args.flash_attn,
                         n_threads=args.threads, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-                        backend=args.backend, **recall_args(args))
+                        backend=args.backend, pin_system=args.pin_system == "on", **recall_args(args))
         with chat:
             interactive = sys.stdin.isatty()
             repl = Repl(chat, interactive)

@@ -63,6 +63,7 @@ class EngineStats:
     budget_cells: int = 0
     kv_cells_live: int = 0
     kv_cells_live_peak: int = 0
+    kv_cells_pinned: int = 0  # the first cells, never evicted (a system prompt, tool definitions: Engine.pin)
     compression_events: int = 0
     compression_seconds: float = 0.0  # part of prefill/decode seconds: scoring, KV read/write, and the probe's decode
     compression_breakdown: dict = field(default_factory=dict)  # seconds by step: observe, read, score, apply

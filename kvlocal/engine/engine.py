@@ -311,6 +311,16 @@ class Engine:
             self.stats = EngineStats(**{**state.stats, **fixed})
             self._note_live()
 
+    def pin(self, n: int) -> None:
+        """Never evict the first ``n`` tokens of the session (a system prompt, tool definitions): they are
+        protected like attention sinks by every method, count in the budget and stay first when positions
+        move back. UsageError, naming the fix, when they and the recent span do not fit the budget."""
+        if self.cfg.method != "full" and n + self.cfg.recent > self.budget_cells:
+            raise UsageError(f"the system prompt takes {n:,} tokens, which are never evicted; with the {self.cfg.recent} "
+                             f"most recent ones they do not fit the budget's {self.budget_cells:,} cells: raise --budget "
+                             f"or shorten the system prompt")
+        self.stats.kv_cells_pinned = n
+
     def decode_probe(self) -> list[int]:
         """The probe of a decode-time event: the last half-window of the prompt's probe followed by the
         last half-window of the reply so far (the whole window for whichever is short)."""
@@ -482,7 +492,8 @@ class Engine:
 
     def _plan(self, read: CacheRead, q: list[np.ndarray], q_pos: np.ndarray) -> Plan:
         """The scorer's plan for the cells of ``read``, observed by the queries ``q`` at ``q_pos``."""
-        inputs = self.kv.layer_inputs(read, [qi * self._q_scale for qi in q], q_pos, n_sink=self.cfg.n_sink,
+        inputs = self.kv.layer_inputs(read, [qi * self._q_scale for qi in q], q_pos,
+                                      n_sink=max(self.cfg.n_sink, self.stats.kv_cells_pinned),
                                       recent=self.cfg.recent, window_size=observation_window(self.scorer))
         plan = plan_layers(self.scorer, inputs, self.budget_cells)
         self.last_plan = plan

@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-chats", type=int, default=DEFAULT_CACHE_CHATS,
                    help=f"most conversations kept for reuse (default {DEFAULT_CACHE_CHATS}; each also holds "
                         f"llama.cpp's compute buffers)")
+    g.add_argument("--pin-system", choices=("on", "off"), default="on",
+                   help="never evict a conversation's system message (default on; it counts in the budget)")
     g.add_argument("-n", "--n-predict", type=int, default=512,
                    help="most tokens of a reply when a request gives no max_tokens (default 512)")
     add_sampling_args(p)  # server defaults; a request's temperature, top_p, seed, ... override them
@@ -84,7 +86,8 @@ def run(args) -> int:
         worker = Worker(model, model_id, chat_options=dict(
             budget=args.budget, method=args.method, ctx_size=args.ctx_size, chunk=args.chunk, recent=args.recent,
             max_reply=args.n_predict, flash_attn=args.flash_attn, n_threads=args.threads,
-            cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, backend=args.backend, **recall_args(args)),
+            cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, backend=args.backend,
+            pin_system=args.pin_system == "on", **recall_args(args)),
             defaults=dict(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                           seed=None if args.seed == -1 else args.seed),

@@ -165,7 +165,7 @@ class Worker:
                   "budget_cells": st.budget_cells, "cache_reused": reused > 0, "tokens_reused": reused,
                   "compression_events": st.compression_events, "backend": s.backend,
                   "host_kv_bytes": s.host_kv_bytes, "host_tier_bytes": s.host_tier_bytes,
-                  "recall_rows_in": s.recall_rows_in}
+                  "recall_rows_in": s.recall_rows_in, "pinned_cells": s.kv_cells_pinned}
         except (_Gone, _ShuttingDown):
             if mode == "continue":  # stopped while the new message was read: Chat put itself back as it was
                 self.cache.put(job.key[:-1], chat, chat.stats.kv_bytes)
