@@ -12,4 +12,8 @@ def __getattr__(name):  # kvlocal.Chat without loading llama.cpp on `import kvlo
         from kvlocal import chat
 
         return getattr(chat, name)
+    if name == "Llama":  # llama-cpp-python's chat API on kvlocal
+        from kvlocal.llama_compat import Llama
+
+        return Llama
     raise AttributeError(f"module 'kvlocal' has no attribute {name!r}")

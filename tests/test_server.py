@@ -228,6 +228,38 @@ def test_openai_client(server):
     assert e.value.status_code == 400 and "top_p" in str(e.value)
 
 
+def test_ollama_client(server):
+    """Ollama's API through the official `ollama` client: chat (streamed and not), generate, list, show;
+    a follow-up chat reuses the conversation's cache as an OpenAI one does; what it cannot do is a 400."""
+    ollama = need("ollama")
+    client = ollama.Client(host=server.url, timeout=WAIT)
+    assert [m.model for m in client.list().models] == [MODEL]
+    shown = client.show(MODEL)
+    assert shown.details.format == "gguf" and shown.modelinfo["context_length"] == 8192
+    r = client.chat(model=MODEL, messages=GERMANY, options={"temperature": 0, "num_predict": 24}, stream=False)
+    assert "Berlin" in r.message.content and r.done and r.done_reason == "stop" and r.eval_count > 0
+    follow = GERMANY + [{"role": "assistant", "content": r.message.content}, {"role": "user", "content": "And of France?"}]
+    parts = list(client.chat(model=MODEL, messages=follow, options={"temperature": 0, "num_predict": 24}, stream=True))
+    paris = "".join(p.message.content for p in parts)
+    assert "Paris" in paris and parts[-1].done and not any(p.done for p in parts[:-1])
+    # the client keeps only Ollama's fields; the raw reply also has kvlocal's kv: the conversation's cache was reused
+    more = follow + [{"role": "assistant", "content": paris}, {"role": "user", "content": "And of Italy?"}]
+    raw = httpx.post(server.url + "/api/chat", json={"model": MODEL, "messages": more, "stream": False,
+                                                     "options": {"temperature": 0, "num_predict": 24}}, timeout=WAIT).json()
+    assert "Rome" in raw["message"]["content"] and raw["kv"]["cache_reused"] is True and raw["kv"]["method"] == "criticalkv"
+    g = client.generate(model=MODEL, prompt="What is the capital of Japan?", options={"temperature": 0, "num_predict": 24})
+    assert "Tokyo" in g.response and g.done and g.prompt_eval_count > 0
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model=MODEL, messages=[{"role": "user", "content": "What is this?", "images": ["aGk="]}])
+    assert e.value.status_code == 400 and "text-only" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model=MODEL, prompt="hi", format="json")
+    assert e.value.status_code == 400 and "format" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.show("llama3:8b")
+    assert e.value.status_code == 404 and "not found" in e.value.error
+
+
 def test_bad_requests_then_serving_on(server):
     url = server.url + "/v1/chat/completions"
     post = lambda body: httpx.post(url, content=body if isinstance(body, str) else json.dumps(body), timeout=60)  # noqa: E731
@@ -560,7 +592,7 @@ def test_conversation_cache_bounds():
 
 
 def test_stop_string_helpers():
-    from kvlocal.server.worker import _find_stop, _partial_stop
+    from kvlocal.chat.stops import find_stop as _find_stop, partial_stop as _partial_stop
 
     assert _find_stop("The capital is Berlin.", ["Berlin", "is"], 0) == 12
     assert _find_stop("abc", ["x"], 0) == -1

@@ -18,8 +18,9 @@ import uuid
 from pathlib import Path
 
 from kvlocal.errors import UsageError
+from kvlocal.server import ollama
 from kvlocal.server.requests import BadRequest, _error_body, error_response, parse_request
-from kvlocal.server.worker import Result, Worker, _ShuttingDown
+from kvlocal.server.worker import Job, Result, Worker, _ShuttingDown
 
 _OPEN_PATHS = ("/health",)  # answered without the API key (liveness checks)
 
@@ -116,17 +117,10 @@ def create_app(worker: Worker, api_key: str | None = None):
              "kvlocal": {"file": Path(worker.model.path).name, "budget": str(worker.chat_options["budget"]),
                          "method": worker.chat_options["method"], "n_ctx_train": worker.model.n_ctx_train}}]})
 
-    async def completions(request: Request):
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return error_response(400, f"the request body is not valid JSON: {e}", code="invalid_json")
-        try:
-            job, stream, include_usage = parse_request(body, worker)
-        except BadRequest as e:
-            return error_response(400, str(e), param=e.param, code=e.code)
-        cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    async def start(job: Job, stream: bool, request: Request, fail):
+        """Submit ``job`` and wait for its first piece (or its end), watching for the client leaving: returns
+        ``(future, queue, first)``, or the Response to send when it ended before a reply began. ``fail(status,
+        message, type)``: the API's error response."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -141,7 +135,7 @@ def create_app(worker: Worker, api_key: str | None = None):
         try:
             fut = worker.submit(job)
         except _ShuttingDown:
-            return error_response(503, "the server is shutting down", "server_error")
+            return fail(503, "the server is shutting down", "server_error")
 
         def done(f: concurrent.futures.Future) -> None:  # on the worker thread
             push(("end", None))
@@ -149,15 +143,46 @@ def create_app(worker: Worker, api_key: str | None = None):
                 _log_result(f.result())
 
         fut.add_done_callback(done)
-
-        # wait for the first piece (or the end), watching for the client leaving meanwhile
         first = await _first(queue, request)
         if first is None:
             job.cancelled.set()
             log("client left before the reply began; stopped")
             return Response(status_code=499)
         if first[0] == "end" and _exception(fut) is not None:
-            return _failed(_exception(fut))
+            e = _exception(fut)
+            status, message, kind = _error_body(500, e)
+            if status == 500:
+                _print_failure(e)
+            return fail(status, message, kind)
+        return fut, queue, first
+
+    async def pieces(queue, first):
+        """The reply's streamed pieces, then None at its end."""
+        item = first
+        while item[0] == "piece":
+            yield item[1]
+            item = await queue.get()
+
+    async def read_json(request: Request):
+        raw = await request.body()
+        try:
+            return json.loads(raw), None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return None, f"the request body is not valid JSON: {e}"
+
+    async def completions(request: Request):
+        body, bad = await read_json(request)
+        if bad:
+            return error_response(400, bad, code="invalid_json")
+        try:
+            job, stream, include_usage = parse_request(body, worker)
+        except BadRequest as e:
+            return error_response(400, str(e), param=e.param, code=e.code)
+        cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        started = await start(job, stream, request, error_response)
+        if isinstance(started, Response):
+            return started
+        fut, queue, first = started
 
         def chunk(delta: dict, finish=None, **extra) -> str:
             obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": worker.model_id,
@@ -175,10 +200,8 @@ def create_app(worker: Worker, api_key: str | None = None):
         async def events():
             try:
                 yield chunk({"role": "assistant", "content": ""})
-                item = first
-                while item[0] == "piece":
-                    yield chunk({"content": item[1]})
-                    item = await queue.get()
+                async for piece in pieces(queue, first):
+                    yield chunk({"content": piece})
                 e = _exception(fut)
                 if e is not None:
                     status, message, kind = _error_body(500, e)
@@ -199,6 +222,65 @@ def create_app(worker: Worker, api_key: str | None = None):
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # -- Ollama's API (kvlocal.server.ollama) -------------------------------------------------------
+    def ollama_error(status: int, message: str, kind: str = "") -> Response:
+        return JSONResponse({"error": message}, status_code=status)
+
+    async def ollama_reply(request: Request, kind: str):
+        body, bad = await read_json(request)
+        if bad:
+            return ollama_error(400, bad)
+        try:
+            job, stream, _ = parse_request(ollama.openai_body(body, kind), worker)
+        except BadRequest as e:
+            return ollama_error(400, str(e))
+        started = await start(job, stream, request, ollama_error)
+        if isinstance(started, Response):
+            return started
+        fut, queue, first = started
+        if not stream:
+            r: Result = fut.result()
+            return JSONResponse({**ollama.reply_line(worker.model_id, kind, r.text), **ollama.final_fields(r)})
+
+        async def lines():
+            try:
+                async for piece in pieces(queue, first):
+                    yield json.dumps(ollama.reply_line(worker.model_id, kind, piece), ensure_ascii=False) + "\n"
+                e = _exception(fut)
+                if e is not None:
+                    status, message, _ = _error_body(500, e)
+                    if status == 500:
+                        _print_failure(e)
+                    yield json.dumps({"error": message}) + "\n"
+                else:
+                    r = fut.result()
+                    yield json.dumps({**ollama.reply_line(worker.model_id, kind, ""), **ollama.final_fields(r)}) + "\n"
+            finally:
+                job.cancelled.set()  # a client that left: the worker stops at the next token
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    async def ollama_chat(request: Request):
+        return await ollama_reply(request, "chat")
+
+    async def ollama_generate(request: Request):
+        return await ollama_reply(request, "generate")
+
+    async def ollama_tags(request: Request):
+        return JSONResponse(ollama.tags(worker))
+
+    async def ollama_show(request: Request):
+        body, bad = await read_json(request)
+        if bad:
+            return ollama_error(400, bad)
+        try:
+            return JSONResponse(ollama.show(worker, body))
+        except LookupError as e:
+            return ollama_error(404, str(e.args[0]))
+
+    async def ollama_version(request: Request):
+        return JSONResponse({"version": ollama.VERSION})
 
     def _usage(r: Result) -> dict:
         return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
@@ -221,7 +303,8 @@ def create_app(worker: Worker, api_key: str | None = None):
     async def http_error(request: Request, exc: HTTPException):
         if exc.status_code == 404:
             return error_response(404, f"no such endpoint: {request.method} {request.url.path} "
-                                       f"(this server has /health, /v1/models, /v1/chat/completions)", code="not_found")
+                                       f"(this server has /health, /v1/models, /v1/chat/completions and Ollama's /api/chat, "
+                                       f"/api/generate, /api/tags, /api/show)", code="not_found")
         if exc.status_code == 405:
             return error_response(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
         return error_response(exc.status_code, str(exc.detail))
@@ -233,7 +316,10 @@ def create_app(worker: Worker, api_key: str | None = None):
     routes = [Route("/health", health, methods=["GET"]),
               Route("/v1/models", models, methods=["GET"]), Route("/models", models, methods=["GET"]),
               Route("/v1/chat/completions", completions, methods=["POST"]),
-              Route("/chat/completions", completions, methods=["POST"])]
+              Route("/chat/completions", completions, methods=["POST"]),
+              Route("/api/chat", ollama_chat, methods=["POST"]), Route("/api/generate", ollama_generate, methods=["POST"]),
+              Route("/api/tags", ollama_tags, methods=["GET"]), Route("/api/show", ollama_show, methods=["POST"]),
+              Route("/api/version", ollama_version, methods=["GET"])]
     middleware = [Middleware(_ApiKey, key=api_key)] if api_key else []
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={HTTPException: http_error, Exception: unexpected})

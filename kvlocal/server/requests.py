@@ -25,7 +25,7 @@ def parse_request(body, worker: Worker) -> tuple[Job, bool, bool]:
 
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object", None, "invalid_type")
-    messages = _messages(body.get("messages"))
+    messages = normalize_messages(body.get("messages"))
 
     def get(name, kind, default=None):
         v = body.get(name)
@@ -90,7 +90,10 @@ def parse_request(body, worker: Worker) -> tuple[Job, bool, bool]:
     return Job(messages, sampler, max_tokens, stops, reuse), stream, include_usage
 
 
-def _messages(raw) -> list[dict]:
+def normalize_messages(raw) -> list[dict]:
+    """OpenAI-style messages as kvlocal's chats take them: an optional system message first (``developer``
+    is ``system``, an empty one is none), then user and assistant alternating, ending with user; text
+    parts joined. BadRequest names what is wrong."""
     if not isinstance(raw, list) or not raw:
         if raw is None:
             raise BadRequest("messages is required: a list of {role, content}", "messages", "missing_required_parameter")

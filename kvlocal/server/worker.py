@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvlocal.chat.stops import until_stop
 from kvlocal.errors import UsageError
 from kvlocal.server.conversations import ConversationCache, Key
 
@@ -185,22 +186,18 @@ class Worker:
     def _drain(self, reply, job: Job) -> tuple[str, str | None]:
         """Run the reply to its end, a stop string, a cancelled request or shutdown; stream what is sure not
         to be part of a stop string. Returns (text, finish_reason or None when the reply ended itself)."""
-        stops, longest = job.stops, max((len(s) for s in job.stops), default=0)
-        text, sent, finish = "", 0, None
+        text, finish = "", None
+        pieces = until_stop(reply, job.stops)
         try:
-            for piece in reply:
-                start = max(0, len(text) - longest + 1)
+            while True:
+                try:
+                    piece = next(pieces)
+                except StopIteration as end:
+                    finish = "stop" if end.value else None
+                    break
                 text += piece
-                safe = len(text)
-                if stops:
-                    cut = _find_stop(text, stops, start)
-                    if cut >= 0:
-                        text, finish = text[:cut], "stop"
-                        break
-                    safe -= _partial_stop(text, stops)
-                if job.emit is not None and safe > sent:
-                    job.emit(text[sent:safe])
-                    sent = safe
+                if job.emit is not None:
+                    job.emit(piece)
                 if job.cancelled.is_set():
                     finish = "cancelled"
                     break
@@ -208,23 +205,5 @@ class Worker:
                     finish = "stopped"
                     break
         finally:
-            reply.close()  # an early stop keeps the partial reply in the chat
-        if job.emit is not None and len(text) > sent and finish in (None, "stop"):
-            job.emit(text[sent:])
+            pieces.close()  # and the reply: an early stop keeps the partial reply in the chat
         return text, finish
-
-
-def _find_stop(text: str, stops: list[str], start: int) -> int:
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits) if hits else -1
-
-
-def _partial_stop(text: str, stops: list[str]) -> int:
-    """Characters at the end of text that begin a stop string (held back until it is clear)."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best

@@ -1,0 +1,152 @@
+"""``kvlocal.Llama``: llama-cpp-python's chat API on kvlocal, for apps that embed llama-cpp-python.
+
+``create_chat_completion(messages=..., ...)`` takes llama-cpp-python's arguments and returns its shapes —
+a ``chat.completion`` dict, or with ``stream=True`` an iterator of ``chat.completion.chunk`` dicts (the
+role first, then the content, then the finish reason) — so switching is one import::
+
+    from kvlocal import Llama          # was: from llama_cpp import Llama
+    llm = Llama(model_path="model.gguf", n_ctx=32768, budget=0.1)
+    llm.create_chat_completion(messages=[{"role": "user", "content": "Hi"}])
+
+Underneath is one :class:`kvlocal.Chat`: the KV cache stays inside kvlocal's budget, the system message is
+never evicted, and a call whose messages continue the previous call's conversation (its messages, then
+the reply it got, then a new user message) reuses the compressed cache instead of reading everything
+again. What kvlocal does not do (tools, grammars, JSON mode, log probabilities, mirostat) raises
+:class:`~kvlocal.errors.UsageError` naming it, instead of being ignored."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Iterator
+
+from kvlocal.chat.stops import until_stop
+from kvlocal.errors import UsageError
+
+
+class Llama:
+    def __init__(self, model_path: str | os.PathLike, *, n_ctx: int = 0, n_gpu_layers: int = 0,
+                 n_threads: int | None = None, flash_attn: bool = False, verbose: bool = True,
+                 budget: str | float | int = 0.1, method: str = "criticalkv", recall: bool | None = None,
+                 **ignored):
+        """``model_path``, ``n_ctx`` (0: the model's trained context; a ratio budget is a share of it),
+        ``n_gpu_layers``, ``n_threads``, ``flash_attn`` as llama-cpp-python's; ``budget``, ``method``, ``recall``
+        as :class:`kvlocal.Chat`'s. Other llama-cpp-python arguments (``n_batch``, ``seed``, ...) are accepted
+        and have no effect."""
+        from kvlocal.models import resolve
+        from kvlocal.runtime import Model
+
+        self.model_path = str(resolve(os.fspath(model_path)))
+        self.model = Model(self.model_path, n_gpu_layers=n_gpu_layers)
+        self.verbose = verbose
+        self._options = dict(budget=budget, method=method, ctx_size=n_ctx, n_threads=n_threads, flash_attn=flash_attn,
+                             recall=recall)
+        self._chat = None
+
+    def close(self) -> None:
+        if self._chat is not None:
+            self._chat.close()
+            self._chat = None
+        self.model.close()
+
+    def __enter__(self) -> "Llama":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def create_chat_completion(self, messages, functions=None, function_call=None, tools=None, tool_choice=None,
+                               temperature: float = 0.2, top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
+                               typical_p: float = 1.0, stream: bool = False, stop=None, seed: int | None = None,
+                               response_format=None, max_tokens: int | None = None, presence_penalty: float = 0.0,
+                               frequency_penalty: float = 0.0, repeat_penalty: float = 1.0, tfs_z: float = 1.0,
+                               mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                               model: str | None = None, logits_processor=None, grammar=None, logit_bias=None,
+                               logprobs=None, top_logprobs=None):
+        """llama-cpp-python's ``Llama.create_chat_completion``: see the module docstring."""
+        from kvlocal.runtime import Sampler, SamplerParamError
+        from kvlocal.server.requests import BadRequest, normalize_messages
+
+        for name, value in (("functions", functions), ("function_call", function_call), ("tools", tools),
+                            ("grammar", grammar), ("logits_processor", logits_processor), ("logit_bias", logit_bias),
+                            ("logprobs", logprobs), ("top_logprobs", top_logprobs)):
+            if value:
+                raise UsageError(f"{name} is not supported by kvlocal.Llama")
+        if tool_choice not in (None, "none"):
+            raise UsageError("tool_choice is not supported by kvlocal.Llama: it has no tools")
+        if response_format and (response_format or {}).get("type") != "text":
+            raise UsageError("response_format: only {'type': 'text'} is supported by kvlocal.Llama")
+        for name, value, neutral in (("typical_p", typical_p, 1.0), ("tfs_z", tfs_z, 1.0), ("mirostat_mode", mirostat_mode, 0),
+                                     ("presence_penalty", presence_penalty, 0.0),
+                                     ("frequency_penalty", frequency_penalty, 0.0)):
+            if value != neutral:
+                raise UsageError(f"{name} is not supported by kvlocal.Llama (leave it at {neutral}); repeat_penalty is")
+        try:
+            msgs = normalize_messages(messages)
+            sampler = Sampler(temp=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                              seed=None if seed in (None, -1) else seed)
+        except BadRequest as e:
+            raise UsageError(str(e)) from None
+        except SamplerParamError as e:
+            raise UsageError(f"{'temperature' if e.param == 'temp' else e.param} must be {e.rule} (got {e.value})") from None
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        chat = self._chat_for(msgs)
+        chat.sampler = sampler
+        s0 = chat.engine.stats
+        p0, g0 = s0.prompt_tokens, s0.generated_tokens
+        limit = max_tokens if max_tokens and max_tokens > 0 else chat.settings.max_reply
+        pieces = until_stop(chat.send(msgs[-1]["content"], limit), stops)
+        cid, created = f"chatcmpl-{uuid.uuid4()}", int(time.time())
+
+        def finish(stopped: bool) -> str:
+            return "stop" if stopped or chat.engine.stats.generated_tokens - g0 < limit else "length"
+
+        if stream:
+            return self._chunks(pieces, cid, created, model or self.model_path, finish)
+        text, stopped = "", False
+        while True:
+            try:
+                text += next(pieces)
+            except StopIteration as e:
+                stopped = bool(e.value)
+                break
+        s = chat.engine.stats
+        prompt, completion = s.prompt_tokens - p0, s.generated_tokens - g0
+        return {"id": cid, "object": "chat.completion", "created": created, "model": model or self.model_path,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                             "finish_reason": finish(stopped)}],
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+
+    @staticmethod
+    def _chunks(pieces, cid: str, created: int, model: str, finish) -> Iterator[dict]:
+        def chunk(delta: dict, reason=None) -> dict:
+            return {"id": cid, "model": model, "created": created, "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+
+        yield chunk({"role": "assistant"})
+        while True:
+            try:
+                yield chunk({"content": next(pieces)})
+            except StopIteration as e:
+                yield chunk({}, finish(bool(e.value)))
+                return
+
+    def _chat_for(self, msgs: list[dict]):
+        """The chat to answer ``msgs``' last message in: the current one when the others are its conversation
+        so far, else a new one that reads them (without generating)."""
+        from kvlocal.chat import Chat
+
+        history = msgs[:-1]
+        if self._chat is not None and self._chat.messages == history:
+            return self._chat
+        if self._chat is not None:
+            self._chat.close()
+            self._chat = None
+        system = history[0]["content"] if history and history[0]["role"] == "system" else None
+        chat = Chat(self.model, system=system, **self._options)
+        rest = [m for m in history if m["role"] != "system"]
+        if rest:
+            chat.extend(rest)
+        self._chat = chat
+        return chat
