@@ -293,6 +293,16 @@ def test_bad_requests_then_serving_on(server):
 
 
 @pytest.mark.slow  # two reads of a 2K-token message: 1-2 minutes on 2 busy cores
+def timed_pair(server, messages) -> list[tuple[dict, float]]:
+    """The reply to ``messages`` continuing the server's cached conversation, then read fresh, each with its
+    wall time (printed by the tests, never asserted)."""
+    out = []
+    for reuse in (True, False):
+        t = time.perf_counter()
+        out.append((chat(server, messages, max_tokens=8, cache_prompt=reuse), time.perf_counter() - t))
+    return out
+
+
 def test_follow_up_reuses_the_compressed_cache(server):
     prose = (REPO / "kvlocal/data/sample.txt").read_text() + "\n" + (REPO / "kvlocal/data/gpl-3.0.txt").read_text()[:4000]
     first = [{"role": "user", "content": prose + "\n\nWho is speaking in the first dialogue of the text above?"}]
@@ -301,12 +311,7 @@ def test_follow_up_reuses_the_compressed_cache(server):
     assert r1["kv"]["tokens_kept"] < r1["kv"]["tokens_seen"] and r1["kv"]["compression_events"] > 0
     follow = first + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
                       {"role": "user", "content": "Which license is quoted at the end?"}]
-    t = time.perf_counter()
-    reused = chat(server, follow, max_tokens=8)
-    t_reused = time.perf_counter() - t
-    t = time.perf_counter()
-    fresh = chat(server, follow, max_tokens=8, cache_prompt=False)
-    t_fresh = time.perf_counter() - t
+    (reused, t_reused), (fresh, t_fresh) = timed_pair(server, follow)
     n1, n_reused, n_fresh = (x["usage"]["prompt_tokens"] for x in (r1, reused, fresh))
     # measured, not asserted (docs/server.md quotes it): the assertions below are on tokens
     print(f"\nfollow-up to a {n1}-token message: {t_reused:.2f} s reusing the compressed cache ({n_reused} prompt "
@@ -321,6 +326,44 @@ def test_follow_up_reuses_the_compressed_cache(server):
     assert 0 < history <= r1["usage"]["completion_tokens"] + 2, (n1, n_reused, n_fresh, r1["usage"])
     assert n_reused * 10 < n_fresh
     assert reused["kv"]["tokens_seen"] == r1["kv"]["tokens_seen"] + reused["usage"]["total_tokens"]
+
+
+def test_conversations_survive_a_restart(smollm2, tmp_path):
+    """--session-dir: a conversation continues from its saved cache after the server restarts (reading only
+    the new message); a damaged file is skipped with a warning and that conversation is read fresh."""
+    folder = tmp_path / "sessions"
+    folder.mkdir()
+    args = ("--budget", "256", "--port", "0", "-t", "2", "--session-dir", str(folder))
+    prose = (REPO / "kvlocal/data/sample.txt").read_text()
+    doc = [{"role": "user", "content": prose + "\n\nWho is speaking in the first dialogue of the text above?"}]
+    server = Server(tmp_path / "first.txt", *args)
+    try:
+        r1 = chat(server, doc, max_tokens=8)
+        r2 = chat(server, JAPAN, max_tokens=8)
+    finally:
+        assert server.stop() == 0
+    files = sorted(folder.glob("*.kvl"), key=lambda p: p.stat().st_mtime)
+    assert len(files) == 2 and r1["kv"]["cache_from"] == "read"
+    files[1].write_bytes(files[1].read_bytes()[:-100])  # the Japan conversation's file, damaged
+
+    server = Server(tmp_path / "second.txt", *args)
+    try:
+        follow = doc + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                        {"role": "user", "content": "Who is Mr. Bennet's wife?"}]
+        (restored, t_restored), (fresh, t_fresh) = timed_pair(server, follow)
+        assert restored["kv"]["cache_from"] == "session_dir" and fresh["kv"]["cache_from"] == "read"
+        assert restored["kv"]["tokens_reused"] == r1["kv"]["tokens_seen"]
+        assert restored["usage"]["prompt_tokens"] * 10 < fresh["usage"]["prompt_tokens"]
+        # measured, not asserted (docs/server.md quotes it)
+        print(f"\nafter a restart, a follow-up to a {r1['usage']['prompt_tokens']}-token message: {t_restored:.2f} s "
+              f"from the session folder, {t_fresh:.2f} s reading it again ({t_fresh / t_restored:.1f}x); "
+              f"session file {files[0].stat().st_size / 2**20:.1f} MiB")
+        japan = chat(server, JAPAN + [{"role": "assistant", "content": r2["choices"][0]["message"]["content"]},
+                                      {"role": "user", "content": "And of Italy?"}], max_tokens=8)
+        assert japan["kv"]["cache_from"] == "read"  # its file was damaged: read fresh, with a warning
+        server.wait_log("warning: skipped", "serving on")
+    finally:
+        server.stop()
 
 
 def test_client_leaving_mid_stream_stops_the_reply(server):
@@ -360,6 +403,8 @@ def test_startup_usage_errors(server, tmp_path):
     fails(MODEL, "--port", str(server.port), fragment="in use")
     fails(str(tmp_path / "missing.gguf"), "--port", "0", fragment="no such file")
     fails(MODEL, "--port", "0", "--budget", "abc", fragment="--budget")
+    fails(MODEL, "--port", "0", "--session-dir", str(tmp_path / "nope"), fragment="--session-dir")
+    fails(MODEL, "--port", "0", "--session-dir", str(tmp_path), "--session-max", "lots", fragment="--session-max")
 
 
 def test_api_key(smollm2, tmp_path):

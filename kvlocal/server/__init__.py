@@ -42,6 +42,7 @@ from kvlocal.errors import UsageError
 from kvlocal.options import (add_budget_args, add_llama_args, add_model_arg, add_sampling_args, check_llama_args,
                              recall_args, sampler_from_args)
 from kvlocal.server.app import _bind, _serve, create_app
+from kvlocal.server.sessions import SessionDir
 from kvlocal.server.worker import DEFAULT_CACHE_CHATS, DEFAULT_CACHE_MIB, Worker
 
 
@@ -62,6 +63,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-chats", type=int, default=DEFAULT_CACHE_CHATS,
                    help=f"most conversations kept for reuse (default {DEFAULT_CACHE_CHATS}; each also holds "
                         f"llama.cpp's compute buffers)")
+    g.add_argument("--session-dir", metavar="DIR", default=None,
+                   help="write each conversation's compressed cache to DIR after every reply and continue it from there "
+                        "after a restart (default: conversations live in memory only)")
+    g.add_argument("--session-max", metavar="SIZE", default="2G",
+                   help="most bytes --session-dir may hold; the least recently used conversations go first (default 2G)")
     g.add_argument("--pin-system", choices=("on", "off"), default="on",
                    help="never evict a conversation's system message (default on; it counts in the budget)")
     g.add_argument("-n", "--n-predict", type=int, default=512,
@@ -91,7 +97,8 @@ def run(args) -> int:
             defaults=dict(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                           seed=None if args.seed == -1 else args.seed),
-            max_tokens=args.n_predict, cache_bytes=int(args.cache_mib * 2**20), cache_chats=args.cache_chats)
+            max_tokens=args.n_predict, cache_bytes=int(args.cache_mib * 2**20), cache_chats=args.cache_chats,
+            sessions=None if args.session_dir is None else SessionDir(args.session_dir, args.session_max_bytes))
         cells = worker.check()  # builds one chat: a budget or method that cannot work fails here, not per request
         if not loopback and not args.api_key:
             print(f"kvlocal serve: warning: listening on {args.host} without --api-key: anyone who can reach "
@@ -135,5 +142,14 @@ def _check_args(args) -> None:
         raise UsageError("-n/--n-predict must be at least 1")
     if args.chunk < 1 or args.recent < 1:
         raise UsageError("--chunk and --recent must be at least 1")
+    if args.session_dir is not None:
+        d = Path(args.session_dir)
+        if not d.is_dir():
+            raise UsageError(f"--session-dir {d}: no such folder (create it first)")
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise UsageError(f"--session-dir {d} is not writable: give a folder you can write to")
+    from kvlocal.recall.tier import parse_size
+
+    args.session_max_bytes = parse_size(args.session_max, "--session-max")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key is empty: give a key, or leave the flag out")

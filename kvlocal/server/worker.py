@@ -13,6 +13,7 @@ from typing import Callable
 from kvlocal.chat.stops import until_stop
 from kvlocal.errors import UsageError
 from kvlocal.server.conversations import ConversationCache, Key
+from kvlocal.server.sessions import SessionDir
 
 DEFAULT_CACHE_MIB = 1024
 DEFAULT_CACHE_CHATS = 32
@@ -62,10 +63,12 @@ class Worker:
     """The shared model, the worker thread and the conversation cache."""
 
     def __init__(self, model, model_id: str, chat_options: dict, defaults: dict, max_tokens: int = 512,
-                 cache_bytes: int = DEFAULT_CACHE_MIB << 20, cache_chats: int = DEFAULT_CACHE_CHATS):
+                 cache_bytes: int = DEFAULT_CACHE_MIB << 20, cache_chats: int = DEFAULT_CACHE_CHATS,
+                 sessions: SessionDir | None = None):
         self.model, self.model_id = model, model_id
         self.chat_options, self.defaults, self.max_tokens = dict(chat_options), dict(defaults), max_tokens
         self.cache = ConversationCache(cache_bytes, cache_chats)
+        self.sessions = sessions  # --session-dir: conversations written after each reply, loaded after a restart
         self.stopping = threading.Event()
         self.busy = False
         self.queued = 0  # jobs waiting for the worker
@@ -124,7 +127,21 @@ class Worker:
             chat = self.cache.take_parent(job.key)
             if chat is not None:
                 return chat, "regen"
+            if self.sessions is not None:
+                chat = self.sessions.load(job.key[:-1], self.model, self._same_settings,
+                                          n_threads=self.chat_options.get("n_threads"))
+                if chat is not None:
+                    return chat, "restored"
         return self.new_chat(job.system), "new"
+
+    def _same_settings(self, s) -> bool:
+        """Whether a saved chat's settings are this server's (what its cache depends on)."""
+        from kvlocal.engine import Budget
+
+        o = self.chat_options
+        return (s.budget == str(Budget.parse(o["budget"])) and s.method == o["method"] and s.ctx_size == o["ctx_size"]
+                and s.chunk == o["chunk"] and s.recent == o["recent"] and s.cache_type_k == o["cache_type_k"].lower()
+                and s.cache_type_v == o["cache_type_v"].lower())
 
     def _generate(self, job: Job) -> Result:
         t0 = time.perf_counter()
@@ -166,9 +183,11 @@ class Worker:
                   "budget_cells": st.budget_cells, "cache_reused": reused > 0, "tokens_reused": reused,
                   "compression_events": st.compression_events, "backend": s.backend,
                   "host_kv_bytes": s.host_kv_bytes, "host_tier_bytes": s.host_tier_bytes,
-                  "recall_rows_in": s.recall_rows_in, "pinned_cells": s.kv_cells_pinned}
+                  "recall_rows_in": s.recall_rows_in, "pinned_cells": s.kv_cells_pinned,
+                  # where the conversation's cache came from: read fresh, kept in memory, or the session folder
+                  "cache_from": {"new": "read", "restored": "session_dir"}.get(mode, "memory")}
         except (_Gone, _ShuttingDown):
-            if mode == "continue":  # stopped while the new message was read: Chat put itself back as it was
+            if mode in ("continue", "restored"):  # stopped while the new message was read: Chat put itself back
                 self.cache.put(job.key[:-1], chat, chat.stats.kv_bytes)
             else:
                 chat.close()
@@ -178,6 +197,8 @@ class Worker:
             raise
         # kept under the transcript the client saw (its stop string trimmed), whatever the reply's end
         self.cache.put(job.key + (("assistant", text),), chat, st.kv_bytes)
+        if self.sessions is not None:
+            self.sessions.save(job.key + (("assistant", text),), chat)
         if finish == "stopped":
             raise _ShuttingDown()
         return Result(text, finish, prompt, completion, kv, time.perf_counter() - t0,
