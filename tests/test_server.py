@@ -260,6 +260,25 @@ def test_ollama_client(server):
     assert e.value.status_code == 404 and "not found" in e.value.error
 
 
+def test_a_request_may_choose_its_cache_settings(server):
+    """The kv extension object: this conversation's budget, method and recall instead of the server's; a
+    conversation is continued only with the settings it was started with."""
+    own = {"budget": 64, "method": "streaming", "recall": False}
+    r = chat(server, GERMANY, max_tokens=8, temperature=0, kv=own)
+    assert (r["kv"]["budget"], r["kv"]["budget_cells"], r["kv"]["method"]) == ("64", 64, "streaming")
+    assert r["kv"]["host_tier_bytes"] == 0  # recall off
+    follow = GERMANY + [{"role": "assistant", "content": r["choices"][0]["message"]["content"]},
+                        {"role": "user", "content": "And of France?"}]
+    again = chat(server, follow, max_tokens=8, temperature=0, kv=own)
+    assert again["kv"]["cache_from"] == "memory" and again["kv"]["method"] == "streaming"
+    default = chat(server, follow, max_tokens=8, temperature=0)
+    assert default["kv"]["cache_from"] == "read" and default["kv"]["method"] == "criticalkv"
+    url = server.url + "/v1/chat/completions"
+    for kv, param in (({"method": "nope"}, "kv.method"), ({"size": 1}, "kv.size"), ({"budget": "lots"}, "kv.budget"),
+                      ({"recall": "yes"}, "kv.recall"), ("64", "kv")):
+        assert_error(httpx.post(url, json={"messages": GERMANY, "kv": kv}, timeout=60), 400, param)
+
+
 def test_bad_requests_then_serving_on(server):
     url = server.url + "/v1/chat/completions"
     post = lambda body: httpx.post(url, content=body if isinstance(body, str) else json.dumps(body), timeout=60)  # noqa: E731

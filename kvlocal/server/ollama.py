@@ -34,7 +34,7 @@ def openai_body(body, kind: str) -> dict:
     options = body.get("options") or {}
     if not isinstance(options, dict):
         raise BadRequest("options must be an object", "options", "invalid_type")
-    out = {"stream": body.get("stream", True)}
+    out = {"stream": body.get("stream", True), "kv": body.get("kv")}  # kv: kvlocal's cache settings, as for OpenAI
     for name, value in options.items():
         if name in _OPTIONS and not (name == "num_predict" and value in (-1, -2)):  # -1: until done
             out[_OPTIONS[name]] = value

@@ -87,7 +87,39 @@ def parse_request(body, worker: Worker) -> tuple[Job, bool, bool]:
         name = names.get(e.param, e.param)
         rule = e.rule.replace("or None (random)", "or -1 (random)")
         raise BadRequest(f"{name} must be {rule} (got {e.value})", name, "invalid_value") from None
-    return Job(messages, sampler, max_tokens, stops, reuse), stream, include_usage
+    return Job(messages, sampler, max_tokens, stops, reuse, _kv_options(body.get("kv"))), stream, include_usage
+
+
+def _kv_options(raw) -> dict:
+    """The request's ``kv`` extension object: this conversation's cache settings instead of the server's
+    (``budget``: a ratio or a cell count; ``method``; ``recall``: true, false or "auto")."""
+    from kvlocal.compress import METHODS
+    from kvlocal.engine import Budget
+
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise BadRequest("kv must be an object: {\"budget\", \"method\", \"recall\"}", "kv", "invalid_type")
+    unknown = sorted(set(raw) - {"budget", "method", "recall"})
+    if unknown:
+        raise BadRequest(f"kv.{unknown[0]} is not a cache setting (kv takes budget, method and recall)", f"kv.{unknown[0]}",
+                         "unsupported_parameter")
+    out = {}
+    if "budget" in raw:
+        try:
+            out["budget"] = str(Budget.parse(raw["budget"]))
+        except (UsageError, TypeError, ValueError) as e:
+            raise BadRequest(f"kv.budget: {e}", "kv.budget", "invalid_value") from None
+    if "method" in raw:
+        if raw["method"] not in METHODS:
+            raise BadRequest(f"kv.method must be one of {', '.join(sorted(METHODS))} (got {json.dumps(raw['method'])[:40]})",
+                             "kv.method", "invalid_value")
+        out["method"] = raw["method"]
+    if "recall" in raw:
+        if raw["recall"] not in (True, False, "auto"):
+            raise BadRequest("kv.recall must be true, false or \"auto\"", "kv.recall", "invalid_value")
+        out["recall"] = None if raw["recall"] == "auto" else raw["recall"]
+    return out
 
 
 def normalize_messages(raw) -> list[dict]:

@@ -36,6 +36,7 @@ class Job:
     max_tokens: int
     stops: list[str] = field(default_factory=list)
     reuse: bool = True
+    options: dict = field(default_factory=dict)  # the request's kv object: budget, method, recall (Chat's keywords)
     emit: Callable[[str], None] | None = None  # streaming: called on the worker with each piece of text
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -45,7 +46,9 @@ class Job:
 
     @property
     def key(self) -> Key:
-        return tuple((m["role"], m["content"]) for m in self.messages)
+        """The transcript, after the request's own cache settings (a conversation is continued only with them)."""
+        settings = (("kv", tuple(sorted(self.options.items()))),) if self.options else ()
+        return settings + tuple((m["role"], m["content"]) for m in self.messages)
 
 
 @dataclass
@@ -83,10 +86,10 @@ class Worker:
                 return chat.stats.budget_cells
         return self._pool.submit(probe).result()
 
-    def new_chat(self, system: str | None):
+    def new_chat(self, system: str | None, options: dict | None = None):
         from kvlocal.chat import Chat
 
-        return Chat(self.model, system=system, **self.chat_options)  # chat_options: Chat's keywords
+        return Chat(self.model, system=system, **{**self.chat_options, **(options or {})})  # Chat's keywords
 
     def submit(self, job: Job) -> concurrent.futures.Future:
         with self._count:
@@ -128,17 +131,17 @@ class Worker:
             if chat is not None:
                 return chat, "regen"
             if self.sessions is not None:
-                chat = self.sessions.load(job.key[:-1], self.model, self._same_settings,
+                chat = self.sessions.load(job.key[:-1], self.model, lambda st: self._same_settings(st, job.options),
                                           n_threads=self.chat_options.get("n_threads"))
                 if chat is not None:
                     return chat, "restored"
-        return self.new_chat(job.system), "new"
+        return self.new_chat(job.system, job.options), "new"
 
-    def _same_settings(self, s) -> bool:
-        """Whether a saved chat's settings are this server's (what its cache depends on)."""
+    def _same_settings(self, s, options: dict) -> bool:
+        """Whether a saved chat's settings are this server's with a request's ``options`` (what its cache depends on)."""
         from kvlocal.engine import Budget
 
-        o = self.chat_options
+        o = {**self.chat_options, **options}
         return (s.budget == str(Budget.parse(o["budget"])) and s.method == o["method"] and s.ctx_size == o["ctx_size"]
                 and s.chunk == o["chunk"] and s.recent == o["recent"] and s.cache_type_k == o["cache_type_k"].lower()
                 and s.cache_type_v == o["cache_type_v"].lower())
@@ -161,7 +164,7 @@ class Worker:
                     reply = chat.regen(job.max_tokens)  # back to before the last reply: state after messages[:-1]
                 except UsageError:  # nothing to take back (cannot happen for a chat the server cached)
                     chat.close()
-                    chat, mode = self.new_chat(job.system), "new"
+                    chat, mode = self.new_chat(job.system, job.options), "new"
                     chat.sampler = job.sampler
             s = chat.engine.stats
             p0, g0 = s.prompt_tokens, s.generated_tokens
