@@ -56,11 +56,11 @@ def _env() -> dict:
 class Server:
     """A `kvlocal serve` subprocess; its stderr goes to a file (read by the tests, never a full pipe)."""
 
-    def __init__(self, log: Path, *args: str):
+    def __init__(self, log: Path, *args: str, preexec_fn=None):
         self.log_path = log
         self._log = open(log, "w")
         self.proc = subprocess.Popen([*_serve_command(), MODEL, *args], stdout=subprocess.DEVNULL, stderr=self._log,
-                                     cwd=REPO, env=_env())
+                                     cwd=REPO, env=_env(), preexec_fn=preexec_fn)
         self.url = self._wait_for_url()
         self.port = int(self.url.rsplit(":", 1)[1])
 
@@ -381,6 +381,28 @@ def test_conversations_survive_a_restart(smollm2, tmp_path):
                                       {"role": "user", "content": "And of Italy?"}], max_tokens=8)
         assert japan["kv"]["cache_from"] == "read"  # its file was damaged: read fresh, with a warning
         server.wait_log("warning: skipped", "serving on")
+    finally:
+        server.stop()
+
+
+def test_a_full_disk_while_saving_is_a_warning(smollm2, tmp_path):
+    """A session file that cannot be written (a file-size limit stands in for a full disk): a warning, no
+    partial file left, the reply sent and the server serving on."""
+    import resource
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill, as a full disk gives ENOSPC
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    folder = tmp_path / "sessions"
+    folder.mkdir()
+    server = Server(tmp_path / "log.txt", "--budget", "256", "--port", "0", "-t", "2", "--session-dir", str(folder),
+                    preexec_fn=limit)
+    try:
+        assert "Berlin" in chat(server, GERMANY, max_tokens=16, temperature=0)["choices"][0]["message"]["content"]
+        server.wait_log("warning: could not save the conversation", "serving on")
+        assert list(folder.iterdir()) == []  # nothing half-written
+        assert "Tokyo" in chat(server, JAPAN, max_tokens=16, temperature=0)["choices"][0]["message"]["content"]
     finally:
         server.stop()
 
