@@ -516,8 +516,8 @@ def test_two_clients_at_once_and_health_stays_free(in_process):
     make = worker.new_chat
     held, release = threading.Event(), threading.Event()
 
-    def held_chat(system):  # the first reply stops after its first piece until the test releases it
-        chat = make(system)
+    def held_chat(system, options=None):  # the first reply stops after its first piece until the test releases it
+        chat = make(system, options)
         send = chat.send
 
         def send_held(text, max_tokens=None, progress=None):
@@ -571,8 +571,8 @@ def test_client_leaving_during_a_long_read_keeps_the_conversation(in_process):
     jobs, chunks, armed, reading = [], [], threading.Event(), threading.Event()
     noticed = []  # whether the server had marked the job cancelled when the read reached its next chunk
 
-    def tracked_chat(system):  # records the chunks of a read once armed, and holds it after the first
-        chat = make(system)
+    def tracked_chat(system, options=None):  # records the chunks of a read once armed, and holds it after the first
+        chat = make(system, options)
         send = chat.send
 
         def send_tracked(text, max_tokens=None, progress=None):
@@ -625,8 +625,8 @@ def test_generation_error_is_500_and_the_server_goes_on(in_process):
     url, worker = in_process
     make = worker.new_chat
 
-    def failing_chat(system):
-        chat = make(system)
+    def failing_chat(system, options=None):
+        chat = make(system, options)
         send = chat.send
 
         def broken(text, max_tokens=None, progress=None):
