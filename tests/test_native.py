@@ -109,16 +109,22 @@ def test_compact_refuses_a_quantized_cache_and_bad_indices(smollm2_model):
 # -- llama_kv_score ------------------------------------------------------------------------------
 
 
+def scoring_setup(model: Model, fa: bool, seed: int):
+    """A filled context, its state read, the dimensions (n_layer, Hq, Hkv, d), a seeded generator and 8
+    random window queries per compressed layer and query head."""
+    ctx = filled_context(model, fa)
+    dims = len(model.arch.full_layers), model.n_head, model.n_head_kv, model.arch.head_dim_k
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((dims[0], dims[1], 8, dims[3])).astype(np.float32)
+    return ctx, read_seq(ctx), dims, rng, q
+
+
 @FA
 def test_score_matches_numpy_on_the_same_rows(smollm2_model, fa):
     """Window attention (with a log(count) and a -inf bias) and projected value norms (W_O Q4_1,
     dequantized on the device) against numpy_kernels on the rows read through the state."""
     model = smollm2_model
-    ctx = filled_context(model, fa)
-    kv = read_seq(ctx)
-    n_layer, hq, hkv, d = len(model.arch.full_layers), model.n_head, model.n_head_kv, model.arch.head_dim_k
-    rng = np.random.default_rng(0)
-    q = rng.standard_normal((n_layer, hq, 8, d)).astype(np.float32)
+    ctx, kv, (n_layer, hq, hkv, d), rng, q = scoring_setup(model, fa, seed=0)
     bias = np.zeros((n_layer, hkv, kv.n), np.float32)
     bias[:, :, 5], bias[:, 1, 7] = -np.inf, math.log(3)
     cells = np.array([0, 3, 9, kv.n - 1])
@@ -137,11 +143,7 @@ def test_score_matches_numpy_on_the_same_rows(smollm2_model, fa):
 def test_score_normalizes_over_rows_on_the_host(smollm2_model):
     """The outside mass: cells on the device and rows kept on the host scored as one softmax."""
     model = smollm2_model
-    ctx = filled_context(model, False)
-    kv = read_seq(ctx)
-    n_layer, hq, hkv, d = len(model.arch.full_layers), model.n_head, model.n_head_kv, model.arch.head_dim_k
-    rng = np.random.default_rng(3)
-    q = rng.standard_normal((n_layer, hq, 8, d)).astype(np.float32)
+    ctx, kv, (n_layer, hq, hkv, d), rng, q = scoring_setup(model, False, seed=3)
     host = rng.standard_normal((n_layer, hkv, 30, d)).astype(np.float32) * 4  # rows that are not in the cache
     scale, g = 1 / math.sqrt(d), hq // hkv
     logits = np.einsum("lhwd,lhmd->lhwm", q, np.repeat(host, g, axis=1)) * scale

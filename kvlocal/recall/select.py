@@ -90,10 +90,10 @@ def with_candidates(read, tier: HostTier, cands: Candidates, backend, span: str 
             count[l, h, :len(ids)], tier_ids[l, h, :len(ids)] = 1, ids
         k_new.append(k)
         v_new.append(v)
-    union, perm = backend.extend(read, k_new, v_new)
+    union = backend.extend(read, k_new, v_new)
 
     def join(device, new):
-        return np.concatenate([device, new], axis=2)[:, :, perm]
+        return np.concatenate([device, new], axis=2)
 
     device_ids = np.full(read.true.shape, -1, np.int64)
     groups = None

@@ -152,12 +152,11 @@ class KVBackend:
         taken before it is applied."""
         raise NotImplementedError
 
-    def extend(self, read: CacheRead, k: list[np.ndarray], v: list[np.ndarray]) -> tuple[CacheRead, np.ndarray]:
-        """``read`` with ``m`` more cells holding candidate rows from the recall tier: per compressed layer
-        ``k[l]``/``v[l]`` ``[m, Hkv, ...]`` (:func:`~kvlocal.runtime.seqstate.row_format`). Returns the extended
-        read (its ``pos`` and rows; the per-row arrays are the caller's) and ``perm`` ``[n + m]``: cell ``i``
-        of the extended read is ``i``-th of the old cells followed by the new ones at ``perm[i]``. Nothing
-        changes in llama.cpp until a plan is applied."""
+    def extend(self, read: CacheRead, k: list[np.ndarray], v: list[np.ndarray]) -> CacheRead:
+        """``read`` with ``m`` more cells after its own, holding candidate rows from the recall tier: per
+        compressed layer ``k[l]``/``v[l]`` ``[m, Hkv, ...]`` (:func:`~kvlocal.runtime.seqstate.row_format`).
+        Returns the extended read's ``pos`` and rows (the per-row arrays are the caller's). Nothing changes in
+        llama.cpp until a plan is applied."""
         raise NotImplementedError
 
     # -- the cells ----------------------------------------------------------------------------------

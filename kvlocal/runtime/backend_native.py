@@ -126,4 +126,4 @@ class NativeBackend(KVBackend):
         """The rows stay on the host until the plan keeps them (:meth:`apply`)."""
         m = len(k[0])
         pos = np.concatenate([read.pos, np.full(m, -1, np.int64)])
-        return CacheRead(pos, read.true, read.vnorm, read.count, kv=HostRows(read.n, k, v)), np.arange(read.n + m)
+        return CacheRead(pos, read.true, read.vnorm, read.count, kv=HostRows(read.n, k, v))

@@ -47,7 +47,7 @@ class StateBackend(KVBackend):
         pos = np.concatenate([read.pos, np.full(m, -1, np.int64)])
         union = dataclasses.replace(kv, k=[np.concatenate([a, b]) for a, b in zip(kv.k, k)],
                                     v=[np.concatenate([a, b]) for a, b in zip(kv.v, v)], pos=pos.astype(np.int32))
-        return dataclasses.replace(read, pos=pos, kv=union), np.arange(read.n + m)
+        return dataclasses.replace(read, pos=pos, kv=union)
 
     def apply(self, read: CacheRead, plan: Plan) -> None:
         """Write the plan's rows into the cells: kept rows as they are, merged ones combined

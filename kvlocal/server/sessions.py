@@ -27,10 +27,8 @@ def key_name(key: tuple) -> str:
 class SessionDir:
     def __init__(self, path: str | os.PathLike, max_bytes: int):
         self.path, self.max_bytes = Path(path), max_bytes
-        self.saved = self.restored = self.failures = 0
 
     def _warn(self, message: str) -> None:
-        self.failures += 1
         print(f"kvlocal serve: warning: {message}; serving on", file=sys.stderr, flush=True)
 
     def save(self, key: tuple, chat) -> None:
@@ -41,7 +39,6 @@ class SessionDir:
         except Exception as e:  # noqa: BLE001 - a failed save never fails the reply
             self._warn(f"could not save the conversation to {target} ({type(e).__name__}: {e})")
             return
-        self.saved += 1
         self._trim(keep=target)
 
     def load(self, key: tuple, model, settings_match, **kw):
@@ -62,7 +59,6 @@ class SessionDir:
             self._warn(f"skipped {path.name}: it was saved with other settings (budget, method, ...)")
             return None
         os.utime(path)  # recently used: the last to go
-        self.restored += 1
         return chat
 
     def _trim(self, keep: Path) -> None:
@@ -74,7 +70,3 @@ class SessionDir:
             if p != keep:
                 total -= p.stat().st_size
                 p.unlink(missing_ok=True)
-
-    @property
-    def bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.path.glob("*" + SUFFIX) if p.is_file())
