@@ -11,7 +11,9 @@ role first, then the content, then the finish reason) — so switching is one im
 Underneath is one :class:`kvlocal.Chat`: the KV cache stays inside kvlocal's budget, the system message is
 never evicted, and a call whose messages continue the previous call's conversation (its messages, then
 the reply it got, then a new user message) reuses the compressed cache instead of reading everything
-again. What kvlocal does not do (tools, grammars, JSON mode, log probabilities, mirostat) raises
+again. ``tools`` and ``tool_choice`` go through the GGUF's own chat template, and the calls come back as
+``message["tool_calls"]`` with ``finish_reason: "tool_calls"`` (streamed: one delta per call). What kvlocal
+does not do (grammars, JSON mode, log probabilities, mirostat, ``functions``) raises
 :class:`~kvlocal.errors.UsageError` naming it, instead of being ignored."""
 
 from __future__ import annotations
@@ -68,13 +70,16 @@ class Llama:
         from kvlocal.runtime import Sampler, SamplerParamError
         from kvlocal.server.requests import BadRequest, normalize_messages
 
-        for name, value in (("functions", functions), ("function_call", function_call), ("tools", tools),
+        from kvlocal.chat.tools import check_tools, turn_start
+
+        for name, value in (("functions", functions), ("function_call", function_call),
                             ("grammar", grammar), ("logits_processor", logits_processor), ("logit_bias", logit_bias),
                             ("logprobs", logprobs), ("top_logprobs", top_logprobs)):
             if value:
-                raise UsageError(f"{name} is not supported by kvlocal.Llama")
-        if tool_choice not in (None, "none"):
-            raise UsageError("tool_choice is not supported by kvlocal.Llama: it has no tools")
+                raise UsageError(f"{name} is not supported by kvlocal.Llama" + ("; use tools" if "function" in name else ""))
+        if tool_choice is not None and not tools and tool_choice not in ("none", "auto"):
+            raise UsageError("tool_choice needs tools")
+        tools = check_tools(tools) if tools and tool_choice != "none" else None  # "none": not in the prompt
         if response_format and (response_format or {}).get("type") != "text":
             raise UsageError("response_format: only {'type': 'text'} is supported by kvlocal.Llama")
         for name, value, neutral in (("typical_p", typical_p, 1.0), ("tfs_z", tfs_z, 1.0), ("mirostat_mode", mirostat_mode, 0),
@@ -91,19 +96,22 @@ class Llama:
         except SamplerParamError as e:
             raise UsageError(f"{'temperature' if e.param == 'temp' else e.param} must be {e.rule} (got {e.value})") from None
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        chat = self._chat_for(msgs)
+        new = msgs[turn_start(msgs):]
+        chat = self._chat_for(msgs[:len(msgs) - len(new)], tools)
         chat.sampler = sampler
         s0 = chat.engine.stats
         p0, g0 = s0.prompt_tokens, s0.generated_tokens
         limit = max_tokens if max_tokens and max_tokens > 0 else chat.settings.max_reply
-        pieces = until_stop(chat.send(msgs[-1]["content"], limit), stops)
+        pieces = until_stop(chat.send(new, limit, tool_choice=tool_choice if tools else "auto"), stops)
         cid, created = f"chatcmpl-{uuid.uuid4()}", int(time.time())
 
         def finish(stopped: bool) -> str:
+            if chat.tool_calls:
+                return "tool_calls"
             return "stop" if stopped or chat.engine.stats.generated_tokens - g0 < limit else "length"
 
         if stream:
-            return self._chunks(pieces, cid, created, model or self.model_path, finish)
+            return self._chunks(pieces, cid, created, model or self.model_path, finish, chat)
         text, stopped = "", False
         while True:
             try:
@@ -113,13 +121,15 @@ class Llama:
                 break
         s = chat.engine.stats
         prompt, completion = s.prompt_tokens - p0, s.generated_tokens - g0
+        message = {"role": "assistant", "content": text}
+        if chat.tool_calls:
+            message.update(content=text if text.strip() else None, tool_calls=list(chat.tool_calls))
         return {"id": cid, "object": "chat.completion", "created": created, "model": model or self.model_path,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                             "finish_reason": finish(stopped)}],
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish(stopped)}],
                 "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
 
     @staticmethod
-    def _chunks(pieces, cid: str, created: int, model: str, finish) -> Iterator[dict]:
+    def _chunks(pieces, cid: str, created: int, model: str, finish, chat) -> Iterator[dict]:
         def chunk(delta: dict, reason=None) -> dict:
             return {"id": cid, "model": model, "created": created, "object": "chat.completion.chunk",
                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
@@ -127,24 +137,29 @@ class Llama:
         yield chunk({"role": "assistant"})
         while True:
             try:
-                yield chunk({"content": next(pieces)})
+                piece = next(pieces)
             except StopIteration as e:
-                yield chunk({}, finish(bool(e.value)))
-                return
+                stopped = bool(e.value)
+                break
+            yield chunk({"content": piece})
+        for index, call in enumerate(chat.tool_calls):  # each call as one delta
+            yield chunk({"tool_calls": [{"index": index, **call}]})
+        yield chunk({}, finish(stopped))
 
-    def _chat_for(self, msgs: list[dict]):
-        """The chat to answer ``msgs``' last message in: the current one when the others are its conversation
-        so far, else a new one that reads them (without generating)."""
+    def _chat_for(self, history: list[dict], tools: list[dict] | None):
+        """The chat to answer in after ``history``: the current one when ``history`` is its conversation so far
+        (with the same tools), else a new one that reads it (without generating)."""
         from kvlocal.chat import Chat
+        from kvlocal.chat.tools import message_key
 
-        history = msgs[:-1]
-        if self._chat is not None and self._chat.messages == history:
-            return self._chat
-        if self._chat is not None:
-            self._chat.close()
+        c = self._chat
+        if c is not None and c.tools == tools and [message_key(m) for m in c.messages] == [message_key(m) for m in history]:
+            return c
+        if c is not None:
+            c.close()
             self._chat = None
         system = history[0]["content"] if history and history[0]["role"] == "system" else None
-        chat = Chat(self.model, system=system, **self._options)
+        chat = Chat(self.model, system=system, tools=tools, **self._options)
         rest = [m for m in history if m["role"] != "system"]
         if rest:
             chat.extend(rest)

@@ -24,6 +24,7 @@ import pytest
 
 from conftest import REPO
 from policy import need
+from serving import in_process_server
 
 try:
     import httpx
@@ -286,7 +287,7 @@ def test_bad_requests_then_serving_on(server):
     assert_error(post("[1, 2]"), 400, None, "JSON object")
     assert_error(post({}), 400, "messages", "required")
     assert_error(post({"messages": []}), 400, "messages")
-    assert_error(post({"messages": [{"role": "assistant", "content": "Hi"}]}), 400, "messages[0].role", "alternate")
+    assert_error(post({"messages": [{"role": "assistant", "content": "Hi"}]}), 400, "messages[0].role", "comes user")
     assert_error(post({"messages": GERMANY + [{"role": "assistant", "content": "Berlin."}]}), 400, "messages", "last message")
     assert_error(post({"messages": [{"role": "user", "content": "Hi"}, {"role": "system", "content": "x"}]}), 400,
                  "messages[1].role", "only come first")
@@ -309,6 +310,38 @@ def test_bad_requests_then_serving_on(server):
     r = chat(server, [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": parts}],
              max_tokens=24)
     assert "Berlin" in r["choices"][0]["message"]["content"]
+
+
+def test_plain_completions(server):
+    """/v1/completions: a prompt without the chat template, streamed and not (greedy: the same text); a prompt
+    that goes on from an earlier prompt and its completion reads only the rest; echo; the openai client."""
+    openai = need("openai")
+    url = server.url + "/v1/completions"
+    prompt = "The capital of France is"
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+    r = httpx.post(url, json=body, timeout=WAIT).json()
+    text = r["choices"][0]["text"]
+    assert r["object"] == "text_completion" and r["id"].startswith("cmpl-") and "Paris" in text, r
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 8
+    assert r["kv"]["cache_reused"] is False and r["kv"]["method"] == "criticalkv"
+    events = []
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=WAIT) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    assert "".join(e["choices"][0]["text"] for e in events) == text and events[-1]["choices"][0]["finish_reason"] == "length"
+    more = prompt + text + " The capital of Germany is"
+    r2 = httpx.post(url, json={**body, "prompt": more}, timeout=WAIT).json()
+    assert r2["kv"]["cache_reused"] is True and r2["kv"]["tokens_reused"] >= 13  # the prompt and completion before
+    assert r2["usage"]["prompt_tokens"] < 10 and "Berlin" in r2["choices"][0]["text"], r2
+    r3 = httpx.post(url, json={**body, "echo": True}, timeout=WAIT).json()
+    assert r3["choices"][0]["text"] == prompt + text
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert c.choices[0].text == text
+    for bad, param in (({"max_tokens": 4}, "prompt"), ({"prompt": [1, 2, 3]}, "prompt"), ({"prompt": "x", "suffix": "y"}, "suffix"),
+                       ({"prompt": "x", "n": 2}, "n"), ({"prompt": "x", "best_of": 3}, "best_of")):
+        assert_error(httpx.post(url, json=bad, timeout=WAIT), 400, param)
 
 
 @pytest.mark.slow  # two reads of a 2K-token message: 1-2 minutes on 2 busy cores
@@ -482,30 +515,8 @@ def test_public_address_warns_and_ctrl_c_stops_cleanly(smollm2, tmp_path):
 @pytest.fixture
 def in_process(smollm2_model):
     """An app on a Worker in this process, served by uvicorn on a thread; yields (url, worker)."""
-    import uvicorn
-
-    from kvlocal.server.app import create_app
-    from kvlocal.server.worker import Worker
-
-    worker = Worker(smollm2_model, MODEL, chat_options=dict(budget="256", method="criticalkv", n_threads=1),
-                    defaults={}, max_tokens=16)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(create_app(worker), log_level="warning", access_log=False, lifespan="off")
-    userver = uvicorn.Server(config)
-    thread = threading.Thread(target=userver.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + WAIT
-    while not userver.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            userver.should_exit = True
-            worker.close()
-            pytest.fail(f"the in-process server did not start within {WAIT} s")
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", worker
-    userver.should_exit = True
-    thread.join(WAIT)
-    worker.close()
+    with in_process_server(smollm2_model, MODEL, budget="256") as served:
+        yield served
 
 
 def test_two_clients_at_once_and_health_stays_free(in_process):
@@ -516,12 +527,12 @@ def test_two_clients_at_once_and_health_stays_free(in_process):
     make = worker.new_chat
     held, release = threading.Event(), threading.Event()
 
-    def held_chat(system, options=None):  # the first reply stops after its first piece until the test releases it
-        chat = make(system, options)
+    def held_chat(system, options=None, tools=None):  # the first reply stops after its first piece until released
+        chat = make(system, options, tools)
         send = chat.send
 
-        def send_held(text, max_tokens=None, progress=None):
-            for piece in send(text, max_tokens, progress):
+        def send_held(new, max_tokens=None, progress=None, tool_choice="auto"):
+            for piece in send(new, max_tokens, progress, tool_choice):
                 yield piece
                 if not held.is_set():
                     held.set()
@@ -571,11 +582,11 @@ def test_client_leaving_during_a_long_read_keeps_the_conversation(in_process):
     jobs, chunks, armed, reading = [], [], threading.Event(), threading.Event()
     noticed = []  # whether the server had marked the job cancelled when the read reached its next chunk
 
-    def tracked_chat(system, options=None):  # records the chunks of a read once armed, and holds it after the first
-        chat = make(system, options)
+    def tracked_chat(system, options=None, tools=None):  # records a read's chunks once armed, holds it after the first
+        chat = make(system, options, tools)
         send = chat.send
 
-        def send_tracked(text, max_tokens=None, progress=None):
+        def send_tracked(new, max_tokens=None, progress=None, tool_choice="auto"):
             def hook(done, total):
                 if armed.is_set():
                     chunks.append((done, total))
@@ -584,7 +595,7 @@ def test_client_leaving_during_a_long_read_keeps_the_conversation(in_process):
                         noticed.append(jobs[-1].cancelled.wait(WAIT))
                 if progress is not None:
                     progress(done, total)  # the server's own check: raises once the client is gone
-            return send(text, max_tokens, hook)
+            return send(new, max_tokens, hook, tool_choice)
 
         chat.send = send_tracked
         return chat
@@ -625,15 +636,15 @@ def test_generation_error_is_500_and_the_server_goes_on(in_process):
     url, worker = in_process
     make = worker.new_chat
 
-    def failing_chat(system, options=None):
-        chat = make(system, options)
+    def failing_chat(system, options=None, tools=None):
+        chat = make(system, options, tools)
         send = chat.send
 
-        def broken(text, max_tokens=None, progress=None):
-            if "explode" in text:
+        def broken(new, max_tokens=None, progress=None, tool_choice="auto"):
+            if "explode" in new[-1]["content"]:
                 yield "partial"
                 raise RuntimeError("boom in llama.cpp")
-            yield from send(text, max_tokens, progress)
+            yield from send(new, max_tokens, progress, tool_choice)
 
         chat.send = broken
         return chat

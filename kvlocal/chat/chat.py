@@ -39,6 +39,8 @@ from kvlocal.errors import UsageError
 from kvlocal.recall import parse_size
 from kvlocal.runtime import Model, RowRecord, Sampler, cache_type, kv_cache_bytes, pad_cells, runtime_info
 from kvlocal.chat.session import ChatSession, Transcript
+from kvlocal.chat.tools import CallFilter, check_tools, forced_prefix
+from kvlocal.chat.tools import parse as parse_calls
 
 Progress = Callable[[int, int], None]
 
@@ -107,6 +109,7 @@ class Chat:
         recall_mem: int | str | None = None,
         recall_dir: str | os.PathLike | None = None,
         pin_system: bool = True,
+        tools: list[dict] | None = None,
     ):
         for t in (cache_type_k, cache_type_v):
             cache_type(t)  # UsageError naming the choices, before a model is loaded
@@ -124,36 +127,112 @@ class Chat:
         self._lock = threading.RLock()
         self.sampler = sampler or Sampler()
         self._threads = n_threads
-        self._before_turn: tuple[EngineState, Transcript, str] | None = None  # for regen
+        self._before_turn: tuple | None = None  # for regen: (state, transcript, messages sent, tool_choice)
         self._turn_rates = (0.0, 0.0)
+        self.tool_calls: list[dict] = []  # the calls of the last reply (OpenAI's shape), with ``tools``
         try:
+            if tools:
+                tools = check_tools(tools)
+                if self.tool_format is None:
+                    raise UsageError(f"the chat template of {self.model.path.name} does not take tools: "
+                                     f"use a model whose template does (e.g. Qwen2.5), or leave tools out")
             self.settings = settings
             self.engine = self._new_engine(settings)
-            self.session = ChatSession(self.engine, self.sampler, system=system, pin_system=pin_system)
+            self.session = ChatSession(self.engine, self.sampler, system=system, pin_system=pin_system, tools=tools)
         except BaseException:
             self.close()
             raise
 
     # -- conversation ---------------------------------------------------------------------------------
-    def send(self, text: str, max_tokens: int | None = None, progress: Progress | None = None) -> Iterator[str]:
-        """Add a user message and stream the reply's text (lazily: nothing happens until iterated).
+    def send(self, message: str | dict | list[dict], max_tokens: int | None = None, progress: Progress | None = None,
+             tool_choice: str | dict = "auto") -> Iterator[str]:
+        """Add a user message — text, or ``{"role": "user"|"tool", "content": ..., "tool_call_id": ...}`` messages
+        (the results of the last reply's :attr:`tool_calls`) — and stream the reply's text (lazily: nothing
+        happens until iterated). With ``tools``, the calls the reply makes are not in the text: they are in
+        :attr:`tool_calls` once the reply is read (``tool_choice``: ``"auto"``, ``"required"``, ``{"type":
+        "function", "function": {"name": ...}}`` to make the reply a call, ``"none"`` to take none out).
         Ctrl-C — or any exception, e.g. one raised by ``progress(done, total)`` to cancel — while the
         message is read leaves the chat as it was; during the reply, the reply so far stays."""
-        if not isinstance(text, str) or not text.strip():
-            raise UsageError("the message is empty")
+        new = _new_messages(message)
+        prefix, fmt = self._tool_choice(tool_choice)
         with self._lock:
             with self._turn() as before:  # reading the message: undone if interrupted
-                reply = self.session.ask(text, max_tokens or self.settings.max_reply, progress)
-            self._before_turn = (*before, text)
+                reply = self.session.ask(new, max_tokens or self.settings.max_reply, progress, prefix=prefix)
+            self._before_turn = (*before, new, tool_choice)
+            self.tool_calls = []
             s0 = dataclasses.replace(self.engine.stats)
             try:
-                yield from reply  # a reply stopped early stays
+                if fmt is None:
+                    yield from reply  # a reply stopped early stays
+                    return
+                calls = CallFilter(fmt, self._tool_names)
+                self.tool_calls = calls.calls  # filled as the calls end
+                try:
+                    for piece in reply:
+                        piece = calls.feed(piece)
+                        if piece:
+                            yield piece
+                    rest = calls.finish()
+                    if rest:
+                        yield rest
+                finally:
+                    if calls.calls:  # kept with the reply's text (which the cache holds as the model wrote it)
+                        self.session.t.messages[-1]["calls"] = list(calls.calls)
             finally:
                 self._note_rates(s0)
 
-    def ask(self, text: str, max_tokens: int | None = None) -> str:
-        """:meth:`send`, returning the whole reply."""
-        return "".join(self.send(text, max_tokens))
+    def complete(self, prompt: str, max_tokens: int | None = None, progress: Progress | None = None) -> Iterator[str]:
+        """Plain text completion, without the chat template: read ``prompt`` and stream its continuation (lazily).
+        A later prompt that begins with everything read so far (the earlier prompt and its continuation)
+        reads only the rest. A chat used this way holds text, not messages (a chat with a system message or
+        messages refuses it). Interrupted while the prompt is read, the chat stays as it was."""
+        if not isinstance(prompt, str) or not prompt:
+            raise UsageError("the prompt is empty")
+        with self._lock:
+            with self._turn():
+                reply = self.session.complete(prompt, max_tokens or self.settings.max_reply, progress)
+            self._before_turn = None
+            s0 = dataclasses.replace(self.engine.stats)
+            try:
+                yield from reply
+            finally:
+                self._note_rates(s0)
+
+    @property
+    def text(self) -> str:
+        """Everything the cache has read, as text: the rendered conversation (or a plain completion's prompt
+        and continuation)."""
+        return self.session.t.fed_text
+
+    @property
+    def tool_format(self) -> str | None:
+        """How this model writes tool calls (``hermes``: Qwen 2.5/3 and others, ``llama3``), or None when its
+        chat template does not take tools (kvlocal/chat/tools.py)."""
+        from kvlocal.runtime.chat_template import chat_template
+
+        return chat_template(self.model).tool_format
+
+    def _tool_choice(self, choice) -> tuple[str, str | None]:
+        """(the reply's forced beginning, the format its calls are taken out in) for a ``tool_choice``."""
+        tools = self.session.t.tools if getattr(self, "session", None) else None
+        if choice in ("auto", None):
+            return "", self.tool_format if tools else None
+        if choice == "none":
+            return "", None
+        if not tools:
+            raise UsageError("tool_choice needs tools: give the chat tools=[...]")
+        if choice == "required":
+            return forced_prefix(self.tool_format), self.tool_format
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise UsageError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}')
+        if name not in {t["function"]["name"] for t in tools}:
+            raise UsageError(f"tool_choice names {name!r}, which is not one of the tools")
+        return forced_prefix(self.tool_format, name), self.tool_format
+
+    def ask(self, message: str | dict | list[dict], max_tokens: int | None = None, tool_choice: str | dict = "auto") -> str:
+        """:meth:`send`, returning the whole reply's text."""
+        return "".join(self.send(message, max_tokens, tool_choice=tool_choice))
 
     def read(self, source: str | os.PathLike, name: str | None = None, progress: Progress | None = None) -> int:
         """Read a document (a path to a text file, or the text itself) into the cache now; it opens the next
@@ -163,11 +242,13 @@ class Chat:
             return self.session.read(text, name=name, progress=progress)
 
     def extend(self, messages: list[dict], progress: Progress | None = None) -> int:
-        """Add an earlier conversation's finished messages (``{"role": "user"|"assistant", "content": ...}``)
-        to the cache without generating, e.g. to continue a chat kept elsewhere. Returns the tokens read."""
+        """Add an earlier conversation's finished messages (``{"role": "user"|"assistant"|"tool", "content": ...}``,
+        an assistant's calls in ``tool_calls``) to the cache without generating, e.g. to continue a chat kept
+        elsewhere. Returns the tokens read."""
         for m in messages:
-            if not isinstance(m, dict) or m.get("role") not in ("user", "assistant") or not isinstance(m.get("content"), str):
-                raise UsageError(f"a message must be {{'role': 'user' or 'assistant', 'content': str}}, got {m!r:.80}")
+            ok = isinstance(m, dict) and m.get("role") in ("user", "assistant", "tool")
+            if not ok or not (isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls"))):
+                raise UsageError(f"a message must be {{'role': 'user', 'assistant' or 'tool', 'content': str}}, got {m!r:.80}")
         with self._turn():
             return self.session.extend(messages, progress)
 
@@ -177,16 +258,17 @@ class Chat:
             self._check_open()
             if self._before_turn is None:
                 raise UsageError("nothing to regenerate yet: send a message first")
-            state, transcript, text = self._before_turn
+            state, transcript, new, tool_choice = self._before_turn
             self._rollback(state, transcript)
             self._before_turn = None
-        return self.send(text, max_tokens)
+        return self.send(new, max_tokens, tool_choice=tool_choice)
 
     def clear(self) -> None:
         """Start over: an empty cache and transcript (the system message stays)."""
         with self._lock:
             self._check_open()
-            self._replace_engine(self.settings, Transcript(self.session.t.messages[:1] if self.settings.system else []))
+            self._replace_engine(self.settings, Transcript(self.session.t.messages[:1] if self.settings.system else [],
+                                                           tools=self.session.t.tools))
 
     def reconfigure(self, budget: str | float | int | None = None, method: str | None = None,
                     progress: Progress | None = None) -> None:
@@ -213,8 +295,27 @@ class Chat:
     # -- figures --------------------------------------------------------------------------------------
     @property
     def messages(self) -> list[dict]:
+        """The conversation: with tools, an assistant message's calls are in its ``tool_calls`` (as
+        :attr:`tool_calls` gave them), not in its text."""
         with self._lock:
-            return [dict(m) for m in self.session.t.messages]
+            fmt = self.tool_format if self.session.t.tools else None
+            out = []
+            for m in self.session.t.messages:
+                m = dict(m)
+                calls = m.pop("calls", None)
+                if calls and fmt:
+                    m["content"], m["tool_calls"] = parse_calls(m["content"], fmt, self._tool_names)[0], calls
+                out.append(m)
+            return out
+
+    @property
+    def tools(self) -> list[dict] | None:
+        """The tool definitions the model sees with every prompt (None: none)."""
+        return self.session.t.tools
+
+    @property
+    def _tool_names(self) -> set[str]:
+        return {t["function"]["name"] for t in self.session.t.tools or ()}
 
     @property
     def stats(self) -> ChatStats:
@@ -393,6 +494,23 @@ class Chat:
         self.engine.ctx.close()
         self.engine, self.session, self.settings = engine, session, settings
         self._before_turn = None
+
+
+def _new_messages(message) -> list[dict]:
+    """What :meth:`Chat.send` takes, as messages: one user message, or user and tool messages."""
+    if isinstance(message, str):
+        if not message.strip():
+            raise UsageError("the message is empty")
+        return [{"role": "user", "content": message}]
+    new = [message] if isinstance(message, dict) else message
+    if not isinstance(new, list) or not new:
+        raise UsageError("send takes the message's text, or a list of {'role': 'user' or 'tool', 'content': ...}")
+    for m in new:
+        if not isinstance(m, dict) or m.get("role") not in ("user", "tool") or not isinstance(m.get("content"), str):
+            raise UsageError(f"a message sent must be {{'role': 'user' or 'tool', 'content': str}}, got {m!r:.80}")
+    if new[-1]["role"] == "user" and not new[-1]["content"].strip():
+        raise UsageError("the message is empty")
+    return [dict(m) for m in new]
 
 
 def _document(source: str | os.PathLike, name: str | None) -> tuple[str, str | None]:

@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from kvlocal.engine import Engine
+from kvlocal.errors import UsageError
 from kvlocal.runtime import Sampler
 
+_MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")  # what of a message the template reads
 _MARK = "\u2063kvlocal-question\u2063"  # where the question goes; never in real text (invisible separators)
 
 
@@ -35,16 +37,18 @@ class Transcript:
     messages: list[dict] = field(default_factory=list)
     pending: str = ""  # documents read since the last question: the start of the next user message
     fed_text: str = ""
+    tools: list[dict] | None = None  # tool definitions, rendered by the template with every prompt
 
     def copy(self) -> "Transcript":
-        return Transcript([dict(m) for m in self.messages], self.pending, self.fed_text)
+        return Transcript([dict(m) for m in self.messages], self.pending, self.fed_text, self.tools)
 
 
 class ChatSession:
-    def __init__(self, engine: Engine, sampler: Sampler, system: str | None = None, pin_system: bool = True):
+    def __init__(self, engine: Engine, sampler: Sampler, system: str | None = None, pin_system: bool = True,
+                 tools: list[dict] | None = None):
         self.engine, self.model, self.sampler = engine, engine.model, sampler
-        self.t = Transcript([{"role": "system", "content": system}] if system else [])
-        self.pin_system = pin_system  # the system message's tokens are never evicted (:meth:`pin`)
+        self.t = Transcript([{"role": "system", "content": system}] if system else [], tools=tools or None)
+        self.pin_system = pin_system  # the system message and tool definitions are never evicted (:meth:`pin`)
         self.interrupted = False  # the last reply was cut short (Ctrl-C, or its reader stopped)
 
     @property
@@ -55,8 +59,7 @@ class ChatSession:
         """Feed a document now, as the beginning of the next user message. Returns its tokens."""
         block = (f"{name}:\n\n" if name else "") + text.strip("\n") + "\n\n"
         pending = self.t.pending + block
-        rendered = self.model.chat_prompt(self.t.messages + [{"role": "user", "content": pending + _MARK}],
-                                          add_assistant=True)
+        rendered = self._render(self.t.messages + [{"role": "user", "content": pending + _MARK}], add_assistant=True)
         cut = rendered.find(_MARK)
         if cut < 0 or not rendered.startswith(self.t.fed_text):
             self.t.pending = pending  # a template that moves the content: the document goes in with the question
@@ -68,37 +71,59 @@ class ChatSession:
         return len(tokens)
 
     def extend(self, messages: list[dict], progress: Callable[[int, int], None] | None = None) -> int:
-        """Add finished messages (an earlier conversation: user and assistant turns) without generating.
-        Returns the tokens fed."""
+        """Add finished messages (an earlier conversation: user, assistant — with its tool calls — and tool
+        turns) without generating. Returns the tokens fed."""
         if not messages:
             return 0
-        self.t.messages.extend({"role": m["role"], "content": m["content"]} for m in messages)
+        self.t.messages.extend({k: m[k] for k in _MESSAGE_KEYS if k in m} for m in messages)
         tokens = self._tokens(self._delta(add_assistant=False))
         self.pin(tokens)
         self.engine.append(tokens, probe=tokens, progress=progress)
-        self.t.fed_text = self.model.chat_prompt(self.t.messages, add_assistant=False)
+        self.t.fed_text = self._render(self.t.messages, add_assistant=False)
         return len(tokens)
 
-    def ask(self, user_text: str, max_tokens: int = 512, progress: Callable[[int, int], None] | None = None) -> Iterator[str]:
-        """Add a user turn (after any document read) and stream the reply's text. If the caller stops
-        early (Ctrl-C, or closing the iterator), the reply so far stays in the transcript and the cache."""
+    def ask(self, new: str | list[dict], max_tokens: int = 512, progress: Callable[[int, int], None] | None = None,
+            prefix: str = "") -> Iterator[str]:
+        """Add a user turn (after any document read) — or the results of tool calls (``tool`` messages) — and
+        stream the reply's text, which begins with ``prefix`` (read as part of the prompt). If the caller
+        stops early (Ctrl-C, or closing the iterator), the reply so far stays in the transcript and the cache."""
         t = self.t
-        t.messages.append({"role": "user", "content": t.pending + user_text})
+        new = [{"role": "user", "content": new}] if isinstance(new, str) else [dict(m) for m in new]
+        if t.pending:  # the documents read open the next user message
+            first = next((m for m in new if m["role"] == "user"), None)
+            if first is None:
+                raise UsageError("a document read waits for a question: send a user message")
+            first["content"] = t.pending + first["content"]
+        t.messages.extend({k: m[k] for k in _MESSAGE_KEYS if k in m} for m in new)
         t.pending = ""
-        tokens = self._tokens(self._delta(add_assistant=True))
+        tokens = self._tokens(self._delta(add_assistant=True) + prefix)
         self.pin(tokens)
         self.engine.append(tokens, probe=tokens, progress=progress, recall=True)
-        t.fed_text = self.model.chat_prompt(t.messages, add_assistant=True)
-        return self._reply(max_tokens)
+        t.fed_text = self._render(t.messages, add_assistant=True) + prefix
+        return self._reply(max_tokens, prefix)
+
+    def complete(self, prompt: str, max_tokens: int = 512, progress: Callable[[int, int], None] | None = None) -> Iterator[str]:
+        """Plain text, no chat template: read ``prompt`` — only what follows the text read so far, which it
+        must begin with — and stream its continuation."""
+        t = self.t
+        if t.messages or t.pending:
+            raise UsageError("this chat holds messages: a plain completion needs a chat of its own")
+        if not prompt.startswith(t.fed_text) or len(prompt) == len(t.fed_text):
+            raise UsageError("the prompt does not go on from the text this chat has read: start a new chat")
+        tokens = self.model.tokenize(prompt[len(t.fed_text):], add_special=self.engine.n_past == 0, parse_special=True)
+        self.engine.append(tokens, probe=tokens, progress=progress, recall=True)
+        t.fed_text = prompt
+        return self._reply(max_tokens, message=False)
 
     def pin(self, tokens: list[int]) -> None:
-        """Before the session's first ``tokens`` go in: pin those of its system message — the template's
-        opening and the message, as far as two conversations with different user turns share them — so
-        that no compression evicts them (:meth:`Engine.pin`)."""
+        """Before the session's first ``tokens`` go in: pin those of its system message and tool definitions —
+        the template's opening and what follows, as far as two conversations with different user turns
+        share them — so that no compression evicts them (:meth:`Engine.pin`)."""
         m = self.t.messages
-        if not self.pin_system or self.engine.n_past or not m or m[0]["role"] != "system":
+        system = m[:1] if m and m[0]["role"] == "system" else []
+        if not self.pin_system or self.engine.n_past or not (system or self.t.tools):
             return
-        a, b = (self.model.tokenize(self.model.chat_prompt([m[0], {"role": "user", "content": u}], add_assistant=False),
+        a, b = (self.model.tokenize(self._render(system + [{"role": "user", "content": u}], add_assistant=False),
                                     add_special=True, parse_special=True) for u in ("A", "B"))
         n = 0
         for x, y, z in zip(a, b, tokens):
@@ -110,24 +135,29 @@ class ChatSession:
     def _delta(self, add_assistant: bool) -> str:
         """The text to decode for the messages not fed yet: the rendered conversation past ``fed_text``."""
         t = self.t
-        prompt = self.model.chat_prompt(t.messages, add_assistant=add_assistant)
+        prompt = self._render(t.messages, add_assistant=add_assistant)
         before = t.fed_text
         if not prompt.startswith(before) and len(t.messages) > 1:
             # a template that rewrites earlier turns (trims a reply, drops its thoughts): append this turn
             # as the template writes it after them
-            before = self.model.chat_prompt(t.messages[:-1], add_assistant=False)
+            before = self._render(t.messages[:-1], add_assistant=False)
         if prompt.startswith(before):
             return prompt[len(before):]
-        return self.model.chat_prompt(t.messages[-1:], add_assistant=add_assistant)
+        return self._render(t.messages[-1:], add_assistant=add_assistant)
+
+    def _render(self, messages: list[dict], add_assistant: bool) -> str:
+        return self.model.chat_prompt(messages, add_assistant=add_assistant, tools=self.t.tools)
 
     def _tokens(self, text: str) -> list[int]:
         return self.model.tokenize(text, add_special=self.engine.n_past == 0, parse_special=True)
 
-    def _reply(self, max_tokens: int) -> Iterator[str]:
+    def _reply(self, max_tokens: int, prefix: str = "", message: bool = True) -> Iterator[str]:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         reply_tokens: list[int] = []
         self.interrupted = True
         try:
+            if prefix:
+                yield prefix
             for tok in self.engine.generate(max_tokens, self.sampler):
                 reply_tokens.append(tok)
                 piece = decoder.decode(self.model.token_bytes(tok))
@@ -139,7 +169,8 @@ class ChatSession:
             self.interrupted = False
         finally:  # also on Ctrl-C or a reader that stopped: what was decoded is in the cache
             reply = self.model.detokenize(reply_tokens)
-            self.t.messages.append({"role": "assistant", "content": reply})
+            if message:  # a chat's reply (not a plain completion's text)
+                self.t.messages.append({"role": "assistant", "content": prefix + reply})
             last = self.engine.last_token
             done = not self.interrupted and self.model.is_eog(last)
             self.t.fed_text += reply + (self.model.token_bytes(last, special=True).decode(errors="replace") if done else "")

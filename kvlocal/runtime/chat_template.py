@@ -61,13 +61,27 @@ class ChatTemplate:
         self.bos_token, self.eos_token, self.strip_bos = bos_token, eos_token, strip_bos
         self._formatters = {}  # add_assistant → Jinja2ChatFormatter
 
-    def render(self, messages: list[dict], add_assistant: bool = True) -> str:
+    @property
+    def tool_format(self) -> str | None:
+        """How this model writes tool calls (``hermes``, ``llama3``; kvlocal/chat/tools.py), or None when its
+        template does not take tools."""
+        from kvlocal.chat.tools import tool_format
+
+        return tool_format(self.jinja)
+
+    def render(self, messages: list[dict], add_assistant: bool = True, tools: list[dict] | None = None) -> str:
+        """The prompt for ``messages`` (with ``tools`` for a template that takes them: :attr:`tool_format`)."""
+        from kvlocal.chat.tools import for_template
+
+        messages = for_template(messages)
+        if tools and self.tool_format is None:
+            raise UsageError(f"the chat template of {self.name} does not take tools")
         text = None
         if self.jinja is not None:
             try:
-                text = self.render_jinja(messages, add_assistant)
+                text = self.render_jinja(messages, add_assistant, tools)
             except Exception as e:  # template errors, raise_exception(), undefined names
-                if self.builtin is None:
+                if self.builtin is None or tools:
                     raise UsageError(f"the chat template of {self.name} failed ({type(e).__name__}: {e})") from None
                 _note(f"the chat template of {self.name} failed ({type(e).__name__}: {e}); using llama.cpp's")
         if text is None:
@@ -76,7 +90,7 @@ class ChatTemplate:
             text = text[len(self.bos_token):]
         return text
 
-    def render_jinja(self, messages: list[dict], add_assistant: bool = True) -> str:
+    def render_jinja(self, messages: list[dict], add_assistant: bool = True, tools: list[dict] | None = None) -> str:
         """The GGUF's template rendered by llama-cpp-python (as Hugging Face's transformers does)."""
         if self.jinja is None:
             raise UsageError(f"{self.name} has no Jinja chat template")
@@ -88,7 +102,7 @@ class ChatTemplate:
             fmt = Jinja2ChatFormatter(self.jinja, eos_token=self.eos_token, bos_token=self.bos_token,
                                       add_generation_prompt=add_assistant)
             self._formatters[add_assistant] = fmt
-        return fmt(messages=messages).prompt
+        return fmt(messages=messages, tools=tools or None).prompt
 
     def render_llama(self, messages: list[dict], add_assistant: bool = True) -> str:
         """llama.cpp's C++ rendering (llama_chat_apply_template) of ``builtin``."""

@@ -111,12 +111,12 @@ class Model:
     def is_eog(self, token: int) -> bool:
         return bool(llama_lib().llama_vocab_is_eog(self._vocab, token))
 
-    def chat_prompt(self, messages: list[dict], add_assistant: bool = True) -> str:
-        """Render messages with the model's chat template: the GGUF's Jinja template, else llama.cpp's
-        built-in one (see runtime/chat_template.py)."""
+    def chat_prompt(self, messages: list[dict], add_assistant: bool = True, tools: list[dict] | None = None) -> str:
+        """Render messages (and tool definitions) with the model's chat template: the GGUF's Jinja template,
+        else llama.cpp's built-in one (see runtime/chat_template.py)."""
         from kvlocal.runtime.chat_template import chat_template
 
-        return chat_template(self).render(messages, add_assistant)
+        return chat_template(self).render(messages, add_assistant, tools)
 
 
 class Context:

@@ -1,6 +1,6 @@
 """The HTTP side of ``kvlocal serve``: the Starlette app (``/health``, ``/v1/models``,
-``/v1/chat/completions``, streaming as server-sent events), the API-key middleware, and binding and
-serving it with uvicorn. It does no model work: every job goes to the :class:`~kvlocal.server.worker.Worker`."""
+``/v1/chat/completions``, ``/v1/completions``, Ollama's ``/api/*``; streaming as server-sent events), the
+API-key middleware, and binding and serving it with uvicorn. It does no model work: every job goes to the :class:`~kvlocal.server.worker.Worker`."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kvlocal.errors import UsageError
 from kvlocal.server import ollama
-from kvlocal.server.requests import BadRequest, _error_body, error_response, parse_request
+from kvlocal.server.requests import BadRequest, _error_body, error_response, parse_completion, parse_request
 from kvlocal.server.worker import Job, Result, Worker, _ShuttingDown
 
 _OPEN_PATHS = ("/health",)  # answered without the API key (liveness checks)
@@ -132,6 +132,7 @@ def create_app(worker: Worker, api_key: str | None = None):
 
         if stream:
             job.emit = lambda piece: push(("piece", piece))
+            job.emit_call = lambda index, call: push(("call", (index, call)))
         try:
             fut = worker.submit(job)
         except _ShuttingDown:
@@ -157,10 +158,10 @@ def create_app(worker: Worker, api_key: str | None = None):
         return fut, queue, first
 
     async def pieces(queue, first):
-        """The reply's streamed pieces, then None at its end."""
+        """The reply's streamed items: ("piece", text) and ("call", (index, tool call)), until its end."""
         item = first
-        while item[0] == "piece":
-            yield item[1]
+        while item[0] != "end":
+            yield item
             item = await queue.get()
 
     async def read_json(request: Request):
@@ -170,19 +171,36 @@ def create_app(worker: Worker, api_key: str | None = None):
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return None, f"the request body is not valid JSON: {e}"
 
-    async def completions(request: Request):
+    async def openai_job(request: Request, parse):
+        """Read and ``parse`` an OpenAI request and start its job: ``(parsed, future, queue, first)``, or the
+        Response to send (a 400, or the reply's end before it began)."""
         body, bad = await read_json(request)
         if bad:
             return error_response(400, bad, code="invalid_json")
         try:
-            job, stream, include_usage = parse_request(body, worker)
+            parsed = parse(body, worker)
         except BadRequest as e:
             return error_response(400, str(e), param=e.param, code=e.code)
-        cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        started = await start(job, stream, request, error_response)
+        started = await start(parsed[0], parsed[1], request, error_response)
+        return started if isinstance(started, Response) else (parsed, *started)
+
+    def stream_error(fut) -> str | None:
+        """The server-sent event for a reply that failed after it began streaming; None if it did not."""
+        e = _exception(fut)
+        if e is None:
+            return None
+        status, message, kind = _error_body(500, e)
+        if status == 500:
+            _print_failure(e)
+        error = {"message": message, "type": kind, "param": None, "code": None, "status": status}
+        return f"data: {json.dumps({'error': error})}\n\n"
+
+    async def completions(request: Request):
+        started = await openai_job(request, parse_request)
         if isinstance(started, Response):
             return started
-        fut, queue, first = started
+        (job, stream, include_usage), fut, queue, first = started
+        cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def chunk(delta: dict, finish=None, **extra) -> str:
             obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": worker.model_id,
@@ -191,24 +209,26 @@ def create_app(worker: Worker, api_key: str | None = None):
 
         if not stream:
             r: Result = fut.result()
+            message = {"role": "assistant", "content": r.text or (None if r.tool_calls else "")}
+            if r.tool_calls:
+                message["tool_calls"] = r.tool_calls
             return JSONResponse({
                 "id": cid, "object": "chat.completion", "created": created, "model": worker.model_id,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
-                             "finish_reason": r.finish_reason}],
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": r.finish_reason}],
                 "usage": _usage(r), "kv": r.kv})
 
         async def events():
             try:
                 yield chunk({"role": "assistant", "content": ""})
-                async for piece in pieces(queue, first):
-                    yield chunk({"content": piece})
-                e = _exception(fut)
-                if e is not None:
-                    status, message, kind = _error_body(500, e)
-                    if status == 500:
-                        _print_failure(e)
-                    error = {"message": message, "type": kind, "param": None, "code": None, "status": status}
-                    yield f"data: {json.dumps({'error': error})}\n\n"
+                async for kind, value in pieces(queue, first):
+                    if kind == "piece":
+                        yield chunk({"content": value})
+                    else:  # a tool call, whole: OpenAI's delta with its index
+                        index, call = value
+                        yield chunk({"tool_calls": [{"index": index, **call}]})
+                error = stream_error(fut)
+                if error:
+                    yield error
                 else:
                     r = fut.result()
                     yield chunk({}, r.finish_reason, kv=r.kv)
@@ -219,6 +239,44 @@ def create_app(worker: Worker, api_key: str | None = None):
                 yield "data: [DONE]\n\n"
             finally:
                 job.cancelled.set()  # a client that left: the worker stops at the next token
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def text_completions(request: Request):
+        """``/v1/completions``: a plain prompt, no chat template; a prompt that goes on from an earlier one and
+        its completion reuses that cache."""
+        started = await openai_job(request, parse_completion)
+        if isinstance(started, Response):
+            return started
+        (job, stream, include_usage, echo), fut, queue, first = started
+        cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        def obj(text: str, finish=None, **extra) -> dict:
+            return {"id": cid, "object": "text_completion", "created": created, "model": worker.model_id,
+                    "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}], **extra}
+
+        if not stream:
+            r: Result = fut.result()
+            return JSONResponse(obj((job.prompt if echo else "") + r.text, r.finish_reason, usage=_usage(r), kv=r.kv))
+
+        async def events():
+            try:
+                if echo:
+                    yield f"data: {json.dumps(obj(job.prompt), ensure_ascii=False)}\n\n"
+                async for _, piece in pieces(queue, first):
+                    yield f"data: {json.dumps(obj(piece), ensure_ascii=False)}\n\n"
+                error = stream_error(fut)
+                if error:
+                    yield error
+                else:
+                    r = fut.result()
+                    yield f"data: {json.dumps(obj('', r.finish_reason, kv=r.kv))}\n\n"
+                    if include_usage:
+                        yield f"data: {json.dumps({**obj(''), 'choices': [], 'usage': _usage(r)})}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                job.cancelled.set()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -241,12 +299,15 @@ def create_app(worker: Worker, api_key: str | None = None):
         fut, queue, first = started
         if not stream:
             r: Result = fut.result()
-            return JSONResponse({**ollama.reply_line(worker.model_id, kind, r.text), **ollama.final_fields(r)})
+            return JSONResponse({**ollama.reply_line(worker.model_id, kind, r.text, calls=r.tool_calls),
+                                 **ollama.final_fields(r)})
 
         async def lines():
             try:
-                async for piece in pieces(queue, first):
-                    yield json.dumps(ollama.reply_line(worker.model_id, kind, piece), ensure_ascii=False) + "\n"
+                async for item, value in pieces(queue, first):
+                    line = (ollama.reply_line(worker.model_id, kind, value) if item == "piece"
+                            else ollama.reply_line(worker.model_id, kind, "", calls=[value[1]]))
+                    yield json.dumps(line, ensure_ascii=False) + "\n"
                 e = _exception(fut)
                 if e is not None:
                     status, message, _ = _error_body(500, e)
@@ -303,7 +364,7 @@ def create_app(worker: Worker, api_key: str | None = None):
     async def http_error(request: Request, exc: HTTPException):
         if exc.status_code == 404:
             return error_response(404, f"no such endpoint: {request.method} {request.url.path} "
-                                       f"(this server has /health, /v1/models, /v1/chat/completions and Ollama's /api/chat, "
+                                       f"(this server has /health, /v1/models, /v1/chat/completions, /v1/completions and Ollama's /api/chat, "
                                        f"/api/generate, /api/tags, /api/show)", code="not_found")
         if exc.status_code == 405:
             return error_response(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
@@ -317,6 +378,8 @@ def create_app(worker: Worker, api_key: str | None = None):
               Route("/v1/models", models, methods=["GET"]), Route("/models", models, methods=["GET"]),
               Route("/v1/chat/completions", completions, methods=["POST"]),
               Route("/chat/completions", completions, methods=["POST"]),
+              Route("/v1/completions", text_completions, methods=["POST"]),
+              Route("/completions", text_completions, methods=["POST"]),
               Route("/api/chat", ollama_chat, methods=["POST"]), Route("/api/generate", ollama_generate, methods=["POST"]),
               Route("/api/tags", ollama_tags, methods=["GET"]), Route("/api/show", ollama_show, methods=["POST"]),
               Route("/api/version", ollama_version, methods=["GET"])]

@@ -35,6 +35,17 @@ class ConversationCache:
                 return self.take(k)
         return None
 
+    def take_prefix(self, settings: Key, text: str):
+        """The plain-completion chat (key ``settings + (("text", read),)``) whose text ``text`` goes on from,
+        the longest if several."""
+        best = None
+        for k in self._items:
+            if (len(k) == len(settings) + 1 and k[:-1] == settings and k[-1][0] == "text"
+                    and len(k[-1][1]) < len(text) and text.startswith(k[-1][1])
+                    and (best is None or len(k[-1][1]) > len(best[-1][1]))):
+                best = k
+        return None if best is None else self.take(best)
+
     def put(self, key: Key, chat, nbytes: int) -> None:
         old = self.take(key)
         if old is not None and old is not chat:

@@ -2,13 +2,14 @@
 ``/api/generate`` (NDJSON streaming by default, as Ollama), ``GET /api/tags``, ``POST /api/show``,
 ``GET /api/version``. A request becomes the same worker job as an OpenAI one (its body is translated to
 :func:`~kvlocal.server.requests.parse_request`'s), so conversations reuse their compressed caches alike;
-the replies have Ollama's shapes plus kvlocal's ``kv`` object. What kvlocal cannot do (images, ``format``,
-``tools``, ``raw`` prompts) is a 400 that says so, not ignored."""
+the replies have Ollama's shapes plus kvlocal's ``kv`` object; tools as Ollama passes them (a call's
+arguments as an object). What kvlocal cannot do (images, ``format``, ``raw`` prompts) is a 400 that says
+so, not ignored."""
 
 from __future__ import annotations
 
 import hashlib
-import time
+import json
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -27,7 +28,7 @@ def openai_body(body, kind: str) -> dict:
     (``stream`` defaults to true, as Ollama's). BadRequest for what kvlocal does not do."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object", None, "invalid_type")
-    for name, why in (("format", "structured output"), ("tools", "tools"), ("images", "images"), ("raw", "raw prompts"),
+    for name, why in (("format", "structured output"), ("images", "images"), ("raw", "raw prompts"),
                       ("suffix", "fill-in-the-middle")):
         if body.get(name):
             raise BadRequest(f"{name}: {why} are not supported by this server", name, "unsupported_parameter")
@@ -35,6 +36,10 @@ def openai_body(body, kind: str) -> dict:
     if not isinstance(options, dict):
         raise BadRequest("options must be an object", "options", "invalid_type")
     out = {"stream": body.get("stream", True), "kv": body.get("kv")}  # kv: kvlocal's cache settings, as for OpenAI
+    if body.get("tools"):
+        if kind != "chat":
+            raise BadRequest("tools: /api/generate takes none; use /api/chat", "tools", "unsupported_parameter")
+        out["tools"] = body["tools"]
     for name, value in options.items():
         if name in _OPTIONS and not (name == "num_predict" and value in (-1, -2)):  # -1: until done
             out[_OPTIONS[name]] = value
@@ -45,7 +50,7 @@ def openai_body(body, kind: str) -> dict:
                 if isinstance(m, dict) and m.get("images"):
                     raise BadRequest(f"messages[{i}].images: this server is text-only", f"messages[{i}].images",
                                      "unsupported_content")
-        out["messages"] = [{"role": m.get("role"), "content": m.get("content")} if isinstance(m, dict) else m
+        out["messages"] = [{k: m[k] for k in ("role", "content", "tool_calls") if k in m} if isinstance(m, dict) else m
                            for m in messages] if isinstance(messages, list) else messages
     else:
         prompt = body.get("prompt")
@@ -61,9 +66,14 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def reply_line(model_id: str, kind: str, text: str, done: bool = False) -> dict:
-    """One object of a reply: the text so far (a streamed piece, or the whole reply)."""
+def reply_line(model_id: str, kind: str, text: str, done: bool = False, calls: list[dict] | None = None) -> dict:
+    """One object of a reply: the text so far (a streamed piece, or the whole reply) and tool calls, in
+    Ollama's shape (``{"function": {"name", "arguments": {...}}}``)."""
     part = {"message": {"role": "assistant", "content": text}} if kind == "chat" else {"response": text}
+    if calls:
+        part["message"]["tool_calls"] = [{"function": {"name": c["function"]["name"],
+                                                       "arguments": json.loads(c["function"]["arguments"])}}
+                                         for c in calls]
     return {"model": model_id, "created_at": now(), **part, "done": done}
 
 
@@ -104,5 +114,5 @@ def show(worker, body) -> dict:
             "template": m.meta("tokenizer.chat_template") or "", "details": _details(m),
             "model_info": {"general.architecture": m.meta("general.architecture") or "",
                            "general.parameter_count": 0, "context_length": m.n_ctx_train},
-            "capabilities": ["completion"], "modified_at": tags(worker)["models"][0]["modified_at"],
+            "capabilities": ["completion"] + (["tools"] if worker.tool_format else []), "modified_at": tags(worker)["models"][0]["modified_at"],
             "kvlocal": {"budget": str(worker.chat_options["budget"]), "method": worker.chat_options["method"]}}

@@ -21,11 +21,51 @@ class BadRequest(Exception):
 
 def parse_request(body, worker: Worker) -> tuple[Job, bool, bool]:
     """A chat completion request -> (job, stream, include_usage); BadRequest names what is wrong."""
-    from kvlocal.runtime import Sampler, SamplerParamError
-
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object", None, "invalid_type")
     messages = normalize_messages(body.get("messages"))
+    for name, instead in (("functions", "; use tools"), ("logit_bias", "")):
+        if body.get(name):
+            raise BadRequest(f"{name} are not supported by this server{instead}", name, "unsupported_parameter")
+    tools, tool_choice = _tools(body.get("tools"), body.get("tool_choice"), worker)
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise BadRequest("response_format: only {\"type\": \"text\"} is supported", "response_format", "unsupported_value")
+    job, stream, include_usage = _job(body, worker, worker.max_tokens)
+    job.messages, job.tools, job.tool_choice = messages, tools, tool_choice
+    return job, stream, include_usage
+
+
+def parse_completion(body, worker: Worker) -> tuple[Job, bool, bool, bool]:
+    """A plain completion request (``/v1/completions``) -> (job, stream, include_usage, echo)."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object", None, "invalid_type")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        raise BadRequest("prompt: one string per request (lists of prompts or of token ids are not supported)", "prompt",
+                         "unsupported_value")
+    if not isinstance(prompt, str) or not prompt:
+        raise BadRequest("prompt is required: a non-empty string", "prompt",
+                         "missing_required_parameter" if prompt is None else "invalid_value")
+    for name, why in (("suffix", "fill-in-the-middle"), ("logit_bias", "logit_bias")):
+        if body.get(name):
+            raise BadRequest(f"{name}: {why} is not supported by this server", name, "unsupported_parameter")
+    if body.get("best_of") not in (None, 1):
+        raise BadRequest("best_of must be 1: this server generates one choice per request", "best_of", "unsupported_value")
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise BadRequest("echo must be a boolean", "echo", "invalid_type")
+    job, stream, include_usage = _job(body, worker, 16)  # OpenAI's default for plain completions
+    job.prompt = prompt
+    return job, stream, include_usage, echo
+
+
+def _job(body: dict, worker: Worker, default_max: int) -> tuple[Job, bool, bool]:
+    """What chat and plain completion requests share: sampling, length, stops, streaming, cache reuse and the
+    ``kv`` object, as a Job without its messages or prompt."""
+    from kvlocal.runtime import Sampler, SamplerParamError
 
     def get(name, kind, default=None):
         v = body.get(name)
@@ -47,21 +87,13 @@ def parse_request(body, worker: Worker) -> tuple[Job, bool, bool]:
     # what this server cannot do is refused, not silently ignored
     if get("n", int, 1) != 1:
         raise BadRequest("n must be 1: this server generates one choice per request", "n", "unsupported_value")
-    if get("logprobs", bool, False):
+    if body.get("logprobs") not in (None, False, 0):
         raise BadRequest("logprobs are not supported", "logprobs", "unsupported_parameter")
-    for name in ("tools", "functions", "logit_bias"):
-        if body.get(name):
-            raise BadRequest(f"{name} are not supported by this server", name, "unsupported_parameter")
-    if body.get("tool_choice") not in (None, "none"):
-        raise BadRequest("tool_choice is not supported: this server has no tools", "tool_choice", "unsupported_parameter")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise BadRequest("response_format: only {\"type\": \"text\"} is supported", "response_format", "unsupported_value")
     for name in ("frequency_penalty", "presence_penalty"):
         if get(name, float, 0.0) != 0:
             raise BadRequest(f"{name} is not supported (give 0 or leave it out); repeat_penalty is", name, "unsupported_value")
 
-    max_tokens = get("max_completion_tokens", int) or get("max_tokens", int) or worker.max_tokens
+    max_tokens = get("max_completion_tokens", int) or get("max_tokens", int) or default_max
     for name in ("max_completion_tokens", "max_tokens"):
         if body.get(name) is not None and get(name, int) < 1:
             raise BadRequest(f"{name} must be at least 1", name, "invalid_value")
@@ -87,7 +119,36 @@ def parse_request(body, worker: Worker) -> tuple[Job, bool, bool]:
         name = names.get(e.param, e.param)
         rule = e.rule.replace("or None (random)", "or -1 (random)")
         raise BadRequest(f"{name} must be {rule} (got {e.value})", name, "invalid_value") from None
-    return Job(messages, sampler, max_tokens, stops, reuse, _kv_options(body.get("kv"))), stream, include_usage
+    return Job([], sampler, max_tokens, stops, reuse, _kv_options(body.get("kv"))), stream, include_usage
+
+
+def _tools(raw, choice, worker: Worker) -> tuple[list[dict] | None, str | dict]:
+    """(tools, tool_choice) of a request: the definitions checked, the model's template able to take them;
+    ``tool_choice: "none"`` leaves them out of the prompt (as llama-server does)."""
+    from kvlocal.chat.tools import check_tools
+
+    if choice is not None and choice not in ("auto", "none", "required") and not (
+            isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+            and isinstance(choice["function"].get("name"), str)):
+        raise BadRequest('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}',
+                         "tool_choice", "invalid_value")
+    if raw is None or raw == []:
+        if choice not in (None, "none", "auto"):
+            raise BadRequest("tool_choice needs tools", "tool_choice", "invalid_value")
+        return None, "auto"
+    try:
+        tools = check_tools(raw)
+    except UsageError as e:
+        raise BadRequest(str(e), "tools", "invalid_value") from None
+    if worker.tool_format is None:
+        raise BadRequest(f"the chat template of {worker.model_id} does not take tools: serve a model whose template does "
+                         f"(e.g. Qwen2.5), or leave tools out", "tools", "unsupported_parameter")
+    if isinstance(choice, dict) and choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
+        raise BadRequest(f"tool_choice names {choice['function']['name']!r}, which is not one of the tools",
+                         "tool_choice", "invalid_value")
+    if choice == "none":
+        return None, "auto"
+    return tools, choice or "auto"
 
 
 def _kv_options(raw) -> dict:
@@ -124,40 +185,95 @@ def _kv_options(raw) -> dict:
 
 def normalize_messages(raw) -> list[dict]:
     """OpenAI-style messages as kvlocal's chats take them: an optional system message first (``developer``
-    is ``system``, an empty one is none), then user and assistant alternating, ending with user; text
-    parts joined. BadRequest names what is wrong."""
+    is ``system``, an empty one is none), then user and assistant turns, an assistant's tool calls followed
+    by the ``tool`` messages with their results; the last is a user or tool message. Text parts are joined.
+    BadRequest names what is wrong."""
     if not isinstance(raw, list) or not raw:
         if raw is None:
             raise BadRequest("messages is required: a list of {role, content}", "messages", "missing_required_parameter")
         raise BadRequest("messages must be a non-empty list of {role, content}", "messages", "invalid_type")
     out = []
+    calls: dict | None = None  # the call ids of the assistant message the tool messages answer
+    prev = None
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise BadRequest(f"{where} must be an object with role and content", where, "invalid_type")
         role = m.get("role")
         role = "system" if role == "developer" else role
-        if role not in ("system", "user", "assistant"):
-            raise BadRequest(f"{where}.role must be system, user or assistant (got {json.dumps(role)[:40]}); "
-                             f"tool messages are not supported", f"{where}.role", "invalid_value")
-        if m.get("tool_calls"):
-            raise BadRequest(f"{where}: tool calls are not supported", f"{where}.tool_calls", "unsupported_parameter")
-        if role == "system" and i > 0:
-            raise BadRequest(f"{where}: a system message may only come first", f"{where}.role", "invalid_value")
-        out.append({"role": role, "content": _content(m.get("content"), f"{where}.content")})
-    if out[0]["role"] == "system" and not out[0]["content"]:
-        out = out[1:]  # an empty system message is no system message (as kvlocal.Chat has it)
-    rest = out[1:] if out and out[0]["role"] == "system" else out
-    for j, m in enumerate(rest):
-        want = "user" if j % 2 == 0 else "assistant"
-        if m["role"] != want:
-            i = j + len(out) - len(rest) + (len(raw) - len(out))
-            raise BadRequest(f"messages[{i}]: after the system message, user and assistant messages must alternate, "
-                             f"starting with user (got {m['role']})", f"messages[{i}].role", "invalid_value")
-    if not rest or rest[-1]["role"] != "user":
-        raise BadRequest("the last message must be a user message", "messages", "invalid_value")
-    if not rest[-1]["content"].strip():
+        if role not in ("system", "user", "assistant", "tool"):
+            raise BadRequest(f"{where}.role must be system, user, assistant or tool (got {json.dumps(role)[:40]})",
+                             f"{where}.role", "invalid_value")
+        if role == "system":
+            if i > 0:
+                raise BadRequest(f"{where}: a system message may only come first", f"{where}.role", "invalid_value")
+            content = _content(m.get("content"), f"{where}.content")
+            if content:  # an empty system message is no system message (as kvlocal.Chat has it)
+                out.append({"role": "system", "content": content})
+            continue
+        allowed = {None: ("user",), "user": ("assistant",), "assistant": ("user",), "calls": ("tool",),
+                   "tool": ("tool", "assistant", "user")}[prev]
+        if role not in allowed:
+            why = {"tool": "a tool message must answer the tool_calls of the assistant message before it"}.get(
+                role, f"after {'the system message' if prev is None else 'a ' + prev + ' message'} comes "
+                      f"{' or '.join(allowed)} (got {role})")
+            if prev == "calls":
+                why = f"the assistant's tool_calls must be answered by tool messages (got {role})"
+            raise BadRequest(f"{where}: {why}", f"{where}.role", "invalid_value")
+        msg = {"role": role}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+            msg["content"] = "" if m.get("content") is None else _content(m["content"], f"{where}.content")
+            calls = {c["id"] for c in msg["tool_calls"] if c.get("id")}
+            prev = "calls"
+        elif role == "tool":
+            msg["content"] = _content(m.get("content"), f"{where}.content")
+            cid = m.get("tool_call_id")
+            if cid is not None:
+                if not isinstance(cid, str):
+                    raise BadRequest(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id", "invalid_type")
+                if calls and cid not in calls:
+                    raise BadRequest(f"{where}.tool_call_id {cid!r} is not a call of the assistant message before it",
+                                     f"{where}.tool_call_id", "invalid_value")
+                msg["tool_call_id"] = cid
+            prev = "tool"
+        else:
+            msg["content"] = _content(m.get("content"), f"{where}.content")
+            prev = role
+        out.append(msg)
+    if prev not in ("user", "tool"):
+        raise BadRequest("the last message must be a user message (or the tool messages answering the assistant's calls)",
+                         "messages", "invalid_value")
+    if prev == "user" and not out[-1]["content"].strip():
         raise BadRequest("the last user message is empty", f"messages[{len(raw) - 1}].content", "invalid_value")
+    return out
+
+
+def _tool_calls(raw, where: str) -> list[dict]:
+    """An assistant message's ``tool_calls``, checked: ``[{"id", "type": "function", "function": {"name",
+    "arguments": JSON text of an object}}]``."""
+    if not isinstance(raw, list):
+        raise BadRequest(f"{where} must be a list of calls", where, "invalid_type")
+    out = []
+    for k, c in enumerate(raw):
+        at = f"{where}[{k}]"
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or c.get("type", "function") != "function":
+            raise BadRequest(f"{at} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}",
+                             at, "invalid_value")
+        args = f.get("arguments", "{}")
+        try:
+            ok = isinstance(json.loads(args) if isinstance(args, str) else args, dict)
+        except json.JSONDecodeError:
+            ok = False
+        if not ok:
+            raise BadRequest(f"{at}.function.arguments must be a JSON object (as text)", f"{at}.function.arguments",
+                             "invalid_value")
+        call = {"type": "function", "function": {"name": f["name"], "arguments": args if isinstance(args, str)
+                                                 else json.dumps(args, ensure_ascii=False)}}
+        if isinstance(c.get("id"), str):
+            call["id"] = c["id"]
+        out.append(call)
     return out
 
 

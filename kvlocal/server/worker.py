@@ -5,12 +5,14 @@ a :class:`Job` and gets a :class:`Result` back through a future."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from kvlocal.chat.stops import until_stop
+from kvlocal.chat.tools import message_key, turn_start
 from kvlocal.errors import UsageError
 from kvlocal.server.conversations import ConversationCache, Key
 from kvlocal.server.sessions import SessionDir
@@ -37,7 +39,11 @@ class Job:
     stops: list[str] = field(default_factory=list)
     reuse: bool = True
     options: dict = field(default_factory=dict)  # the request's kv object: budget, method, recall (Chat's keywords)
+    tools: list[dict] | None = None  # checked tool definitions (kvlocal.chat.tools)
+    tool_choice: str | dict = "auto"
+    prompt: str | None = None  # a plain completion (/v1/completions): its text instead of messages
     emit: Callable[[str], None] | None = None  # streaming: called on the worker with each piece of text
+    emit_call: Callable[[int, dict], None] | None = None  # streaming: called with each tool call (index, call)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -45,21 +51,37 @@ class Job:
         return self.messages[0]["content"] if self.messages[0]["role"] == "system" else None
 
     @property
-    def key(self) -> Key:
-        """The transcript, after the request's own cache settings (a conversation is continued only with them)."""
+    def new(self) -> int:
+        """How many messages at the end are new to the conversation: those after the last assistant message
+        (a user message, or the tool messages answering its calls)."""
+        return len(self.messages) - turn_start(self.messages)
+
+    @property
+    def settings(self) -> Key:
+        """The request's own cache settings and tools: a conversation is continued only with the same."""
         settings = (("kv", tuple(sorted(self.options.items()))),) if self.options else ()
-        return settings + tuple((m["role"], m["content"]) for m in self.messages)
+        if self.tools:
+            settings += (("tools", json.dumps(self.tools, sort_keys=True)),)
+        return settings
+
+    @property
+    def key(self) -> Key:
+        """The transcript (a plain completion: its prompt), after :attr:`settings`."""
+        if self.prompt is not None:
+            return self.settings + (("text", self.prompt),)
+        return self.settings + tuple(message_key(m) for m in self.messages)
 
 
 @dataclass
 class Result:
     text: str
-    finish_reason: str  # stop | length | cancelled
+    finish_reason: str  # stop | length | tool_calls | cancelled
     prompt_tokens: int
     completion_tokens: int
     kv: dict
     seconds: float
     mode: str = "new"  # new | continue | regenerate: how the conversation was found
+    tool_calls: list[dict] = field(default_factory=list)
 
 
 class Worker:
@@ -86,10 +108,17 @@ class Worker:
                 return chat.stats.budget_cells
         return self._pool.submit(probe).result()
 
-    def new_chat(self, system: str | None, options: dict | None = None):
+    def new_chat(self, system: str | None, options: dict | None = None, tools: list[dict] | None = None):
         from kvlocal.chat import Chat
 
-        return Chat(self.model, system=system, **{**self.chat_options, **(options or {})})  # Chat's keywords
+        return Chat(self.model, system=system, tools=tools, **{**self.chat_options, **(options or {})})  # Chat's keywords
+
+    @property
+    def tool_format(self) -> str | None:
+        """How the served model writes tool calls; None when its template does not take tools."""
+        from kvlocal.runtime.chat_template import chat_template
+
+        return chat_template(self.model).tool_format
 
     def submit(self, job: Job) -> concurrent.futures.Future:
         with self._count:
@@ -123,19 +152,23 @@ class Worker:
 
     def _checkout(self, job: Job):
         """(chat, mode): a cached chat to continue or to regenerate, else a new one."""
+        if job.prompt is not None:  # a plain completion goes on from a cached text its prompt begins with
+            chat = self.cache.take_prefix(job.settings, job.prompt) if job.reuse else None
+            return (chat, "continue") if chat is not None else (self.new_chat(None, job.options), "new")
+        head = job.key[:-job.new]  # the conversation before the new messages
         if job.reuse:
-            chat = self.cache.take(job.key[:-1])
+            chat = self.cache.take(head)
             if chat is not None:
                 return chat, "continue"
             chat = self.cache.take_parent(job.key)
             if chat is not None:
                 return chat, "regen"
             if self.sessions is not None:
-                chat = self.sessions.load(job.key[:-1], self.model, lambda st: self._same_settings(st, job.options),
+                chat = self.sessions.load(head, self.model, lambda st: self._same_settings(st, job.options),
                                           n_threads=self.chat_options.get("n_threads"))
                 if chat is not None:
                     return chat, "restored"
-        return self.new_chat(job.system, job.options), "new"
+        return self.new_chat(job.system, job.options, job.tools), "new"
 
     def _same_settings(self, s, options: dict) -> bool:
         """Whether a saved chat's settings are this server's with a request's ``options`` (what its cache depends on)."""
@@ -164,22 +197,28 @@ class Worker:
                     reply = chat.regen(job.max_tokens)  # back to before the last reply: state after messages[:-1]
                 except UsageError:  # nothing to take back (cannot happen for a chat the server cached)
                     chat.close()
-                    chat, mode = self.new_chat(job.system, job.options), "new"
+                    chat, mode = self.new_chat(job.system, job.options, job.tools), "new"
                     chat.sampler = job.sampler
             s = chat.engine.stats
             p0, g0 = s.prompt_tokens, s.generated_tokens
             reused = 0 if mode == "new" else chat.stats.tokens_seen
-            if mode == "new":
-                history = [m for m in job.messages[:-1] if m["role"] != "system"]
+            held = self._held_key(job, chat)  # what the chat holds now, to keep it under if the request stops
+            if job.prompt is not None:
+                reply = chat.complete(job.prompt, job.max_tokens, progress=check)
+            elif mode == "new":
+                history = [m for m in job.messages[:-job.new] if m["role"] != "system"]
                 if history:
                     chat.extend(history, progress=check)
             if reply is None:
-                reply = chat.send(job.messages[-1]["content"], job.max_tokens, progress=check)
-            text, finish = self._drain(reply, job)
+                reply = chat.send(job.messages[-job.new:], job.max_tokens, progress=check, tool_choice=job.tool_choice)
+            text, finish = self._drain(reply, job, chat)
+            calls = list(chat.tool_calls)
+            if calls and not text.strip():
+                text = ""  # a reply that is only calls has no content (what the client sends back)
             s = chat.engine.stats
             prompt, completion = s.prompt_tokens - p0, s.generated_tokens - g0
             if finish is None:
-                finish = "length" if completion >= job.max_tokens else "stop"
+                finish = "tool_calls" if calls else "length" if completion >= job.max_tokens else "stop"
             st = chat.stats
             kv = {"tokens_kept": st.kv_tokens_kept, "tokens_seen": st.tokens_seen, "bytes_allocated": st.kv_bytes,
                   "bytes_full": st.kv_bytes_full, "method": st.method, "budget": st.budget,
@@ -191,7 +230,7 @@ class Worker:
                   "cache_from": {"new": "read", "restored": "session_dir"}.get(mode, "memory")}
         except (_Gone, _ShuttingDown):
             if mode in ("continue", "restored"):  # stopped while the new message was read: Chat put itself back
-                self.cache.put(job.key[:-1], chat, chat.stats.kv_bytes)
+                self.cache.put(held, chat, chat.stats.kv_bytes)
             else:
                 chat.close()
             raise
@@ -199,19 +238,39 @@ class Worker:
             chat.close()  # a failed chat is not kept
             raise
         # kept under the transcript the client saw (its stop string trimmed), whatever the reply's end
-        self.cache.put(job.key + (("assistant", text),), chat, st.kv_bytes)
-        if self.sessions is not None:
-            self.sessions.save(job.key + (("assistant", text),), chat)
+        if job.prompt is not None:
+            self.cache.put(self._held_key(job, chat), chat, st.kv_bytes)
+        else:
+            key = job.key + (message_key({"role": "assistant", "content": text, "tool_calls": calls}),)
+            self.cache.put(key, chat, st.kv_bytes)
+            if self.sessions is not None:
+                self.sessions.save(key, chat)
         if finish == "stopped":
             raise _ShuttingDown()
         return Result(text, finish, prompt, completion, kv, time.perf_counter() - t0,
-                      {"regen": "regenerate"}.get(mode, mode))
+                      {"regen": "regenerate"}.get(mode, mode), calls)
 
-    def _drain(self, reply, job: Job) -> tuple[str, str | None]:
+    @staticmethod
+    def _held_key(job: Job, chat) -> Key:
+        """The key of what ``chat`` holds before the job's new messages are read (a plain completion: the text
+        it has read, continuation included)."""
+        if job.prompt is not None:
+            return job.settings + (("text", chat.text),)
+        return job.key[:-job.new]
+
+    def _drain(self, reply, job: Job, chat) -> tuple[str, str | None]:
         """Run the reply to its end, a stop string, a cancelled request or shutdown; stream what is sure not
-        to be part of a stop string. Returns (text, finish_reason or None when the reply ended itself)."""
-        text, finish = "", None
+        to be part of a stop string, and the tool calls as they end. Returns (text, finish_reason or None
+        when the reply ended itself)."""
+        text, finish, sent = "", None, 0
         pieces = until_stop(reply, job.stops)
+
+        def emit_calls() -> None:
+            nonlocal sent
+            while job.emit_call is not None and sent < len(chat.tool_calls):
+                job.emit_call(sent, chat.tool_calls[sent])
+                sent += 1
+
         try:
             while True:
                 try:
@@ -219,6 +278,7 @@ class Worker:
                 except StopIteration as end:
                     finish = "stop" if end.value else None
                     break
+                emit_calls()
                 text += piece
                 if job.emit is not None:
                     job.emit(piece)
@@ -230,4 +290,5 @@ class Worker:
                     break
         finally:
             pieces.close()  # and the reply: an early stop keeps the partial reply in the chat
+        emit_calls()
         return text, finish
