@@ -59,18 +59,54 @@ def n_layers(model) -> int:
 
 @FA
 def test_unused_bias_is_bit_identical(model, prompt, fa):
-    """A bias set and then zeroed keeps the graphs adding it (llama.cpp drops the flag only when the cache is
-    cleared): the logits are the same bits as those of a cache that never had one (llama.cpp's own graphs)."""
+    """A bias set and then zeroed is gone: no cell is marked, the state carries none and the graphs leave it
+    out again. A state loaded with all-zero biases marks its cells (they are not looked at) and the graphs
+    add them: the logits are the same bits as those of a cache that never had one, either way."""
     cache, last = prompt
     n, hkv = len(cache), model.n_head_kv
     plain = cached(model, cache, fa)
-    zero = cached(model, cache, fa)
+    zeroed, loaded = cached(model, cache, fa), cached(model, cache, fa)
     for il in range(n_layers(model)):
-        zero.set_bias(il, np.ones((hkv, n), np.float32))
-        zero.set_bias(il, np.zeros((hkv, n), np.float32))
-    assert read_seq(zero).bias is not None and read_seq(plain).bias is None  # the flag is on in one only
-    a, b = plain.decode([last], [n]), zero.decode([last], [n])
-    assert np.array_equal(a, b)
+        zeroed.set_bias(il, np.ones((hkv, n), np.float32))
+        assert zeroed.bias_cells() == (il + 1) * n
+    for il in range(n_layers(model)):
+        zeroed.set_bias(il, np.zeros((hkv, n), np.float32))
+    assert zeroed.bias_cells() == 0 and read_seq(zeroed).bias is None and read_seq(plain).bias is None
+    kv = read_seq(loaded).copy()
+    kv.bias = [np.zeros((n, hkv), np.float32) for _ in range(n_layers(model))]
+    write_seq(loaded, kv)
+    assert loaded.bias_cells() == n_layers(model) * n and read_seq(loaded).bias is not None  # in the graphs
+    a, b, c = (ctx.decode([last], [n]) for ctx in (plain, zeroed, loaded))
+    assert np.array_equal(a, b) and np.array_equal(a, c)
+
+
+def test_only_cells_with_a_bias_are_marked(model, prompt):
+    """Patch 0014: a cell is marked in a layer while some head's bias there is not zero; a removal clears
+    the freed cells' biases at once (so new tokens land on clean cells and decoding writes nothing), and
+    setting zeros unmarks them. Two cells of two layers, checked through llama_memory_bias_cells."""
+    cache, _ = prompt
+    n, hkv = len(cache), model.n_head_kv
+    ctx = cached(model, cache, False)
+    assert ctx.bias_cells() == 0
+    b2 = np.zeros((hkv, n), np.float32)
+    b2[0, [3, 4, 9]] = 0.5  # one head is enough to mark a cell
+    b2[1, 9] = -np.inf
+    b0 = np.zeros((hkv, n), np.float32)
+    b0[:, [1, 2]] = np.log(2.0)
+    ctx.set_bias(2, b2)
+    ctx.set_bias(0, b0)
+    assert ctx.bias_cells() == 3 + 2
+    ctx.remove(4, 6)  # positions 4 and 5: one marked cell of layer 2 is freed and cleared
+    assert ctx.bias_cells() == 4
+    _, pos = ctx.cells()
+    np.testing.assert_array_equal(ctx.bias(2), b2[:, pos])
+    for _ in range(3):  # new tokens: on the freed (now clean) cells and beyond, all at 0
+        ctx.decode(model.tokenize(" on", add_special=False)[:1], [int(ctx.cells()[1].max()) + 1], logits="none")
+    assert ctx.bias_cells() == 4 and np.all(ctx.bias(2)[:, ctx.cells()[1] >= n] == 0)
+    ctx.set_bias(0, np.zeros((hkv, len(ctx.cells()[0])), np.float32))
+    assert ctx.bias_cells() == 2
+    ctx.remove(0, -1)
+    assert ctx.bias_cells() == 0 and read_seq(ctx).bias is None
 
 
 @FA

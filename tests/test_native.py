@@ -89,6 +89,8 @@ def test_compact_moves_each_heads_rows_on_the_device(tiny, fa, cache):
                 assert np.array_equal(got[kept], was[s[kept]]), (name, il, h)  # bit-exact moves
                 assert np.array_equal(got[~kept], was[np.flatnonzero(~kept)]), (name, il, h)
         assert np.array_equal(ctx.bias(il), bias[il])
+    # marked: the kept cells where some head's bias is not zero (the freed cells were cleared: patch 0014)
+    assert ctx.bias_cells() == int((bias != 0).any(axis=1).sum())
     assert np.isfinite(ctx.decode([5], [1000 + b], "last")).all()
 
 
@@ -120,9 +122,13 @@ def scoring_setup(model: Model, fa: bool, seed: int):
 
 
 @FA
-def test_score_matches_numpy_on_the_same_rows(smollm2_model, fa):
+@pytest.mark.parametrize("chunk", [None, "3"], ids=["one-chunk", "chunks-of-3"])
+def test_score_matches_numpy_on_the_same_rows(smollm2_model, fa, chunk, monkeypatch):
     """Window attention (with a log(count) and a -inf bias) and projected value norms (W_O Q4_1,
-    dequantized on the device) against numpy_kernels on the rows read through the state."""
+    dequantized on the device by get_rows) against numpy_kernels on the rows read through the state; the
+    value norms in one piece and in chunks of 3 cells (patch 0015: a chunk of an 8B model's is 512 cells)."""
+    if chunk:
+        monkeypatch.setenv("LLAMA_KVLOCAL_SCORE_CHUNK", chunk)
     model = smollm2_model
     ctx, kv, (n_layer, hq, hkv, d), rng, q = scoring_setup(model, fa, seed=0)
     bias = np.zeros((n_layer, hkv, kv.n), np.float32)

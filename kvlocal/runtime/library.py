@@ -14,7 +14,7 @@ from kvlocal.errors import UsageError
 # everything in runtime/ was checked against this one.
 REQUIRED_LLAMA_CPP_PYTHON = "0.3.36"
 # LLAMA_KVLOCAL_ABI_VERSION written by the last patch in ggml_patches/
-REQUIRED_PATCH_ABI = 9
+REQUIRED_PATCH_ABI = 10
 
 BUILD_HINT = "run `python ggml_patches/build.py` (see README)"
 
@@ -112,6 +112,7 @@ def patch_functions():
             "llama_memory_seq_set_bias", ctypes.c_int32,
             [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t],
         ),
+        "bias_cells": _symbol("llama_memory_bias_cells", ctypes.c_int32, [ctypes.c_void_p]),
         "compact": _symbol(
             "llama_kv_compact", ctypes.c_int32,
             [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),

@@ -270,6 +270,11 @@ class Context:
             raise ValueError(f"llama_memory_seq_set_bias refused layer {il} with shape {np.shape(bias)} "
                              f"(needs [n_head_kv, cells of sequence 0])")
 
+    def bias_cells(self) -> int:
+        """(layer, cell) pairs of the cache that may hold a non-zero bias (``llama_memory_bias_cells``, patch
+        0014): only these are ever cleared, and at 0 the graphs leave the bias out."""
+        return int(self._bias_fn("bias_cells")(self._mem))
+
     def compact(self, src: np.ndarray, pos: np.ndarray, bias: np.ndarray | None = None) -> None:
         """Rewrite the cells of sequence 0 on their device (``llama_kv_compact``, patch 0010): afterwards it
         holds ``B = len(pos)`` cells, the first ``B`` of :meth:`cells`, and in compressed layer ``l`` and KV
