@@ -8,6 +8,11 @@ One run, one runtime, the same prompt: every figure is a ratio of two measuremen
 The compressed run is repeated on each KV backend (``--backends``, default native and state where the
 runtime has both): the same prompt, method and budget.
 
+``--frontier`` compares, per context length (``--contexts``), what a user chooses between at long context:
+the full F16 cache, llama.cpp's own q8_0 and q4_0 K+V caches, the method at the budget, and the method on a
+q8_0 cache — KV bytes, TTFT, decode tokens/s and the compression share, as a table (``--plot FILE``: a
+figure of KV bytes, TTFT and decode speed against the context).
+
 ``--recall-cost`` measures the recall tier instead, per document length (``--contexts``) and backend: the
 document is read with recall on, then one question re-selects the cache (:meth:`kvlocal.engine.Engine.recall`); its
 seconds (the question's probe decode included) as a share of the document's prefill (target <= 3%), the
@@ -23,7 +28,7 @@ from importlib import resources
 
 from kvlocal.engine import Budget, Engine
 from kvlocal.errors import UsageError
-from kvlocal.runtime import Model, resolve_backend
+from kvlocal.runtime import Model, cache_type, resolve_backend
 
 
 def long_text(model: Model, n_tokens: int) -> list[int]:
@@ -37,9 +42,12 @@ def long_text(model: Model, n_tokens: int) -> list[int]:
 
 
 def measure(model: Model, tokens: list[int], method: str, budget: str, n_decode: int, threads: int | None,
-            backend: str = "auto") -> dict:
+            backend: str = "auto", cache: str = "f16") -> dict:
+    """Prefill ``tokens`` and decode ``n_decode`` more on a new engine; its stats with the decode speed.
+    ``cache``: the K and V cache type (llama.cpp's -ctk/-ctv names)."""
+    t = None if cache == "f16" else cache_type(cache)
     eng = Engine(model, Budget.parse(budget), method, max_tokens=len(tokens) + n_decode + 1, n_threads=threads,
-                 backend=backend)
+                 backend=backend, type_k=t, type_v=t)
     eng.prefill(tokens, probe=tokens[-32:])
     # greedy decode without stopping at end-of-text: a fixed number of steps at this context
     t0 = time.perf_counter()
@@ -64,10 +72,13 @@ def run(args) -> int:
     if args.n_gpu_layers < -1:
         raise UsageError(f"-ngl/--n-gpu-layers {args.n_gpu_layers}: give a number of layers, 0 for none or -1 for all")
     model = Model(args.model_path, n_gpu_layers=args.n_gpu_layers)
-    if args.recall_cost:
+    if args.recall_cost or args.frontier:
         if any(n < 256 for n in args.contexts):
             raise UsageError("--contexts: give document lengths of at least 256 tokens")
-        return run_recall_cost(args, model)
+        if any(n > model.n_ctx_train for n in args.contexts):
+            raise UsageError(f"--contexts: {model.path.name} was trained on {model.n_ctx_train:,} tokens; "
+                             f"give lengths up to that")
+        return run_recall_cost(args, model) if args.recall_cost else run_frontier(args, model)
     backends = args.backends or default_backends(args.method)
     long = long_text(model, args.long)
 
@@ -118,6 +129,73 @@ def run(args) -> int:
     return 0
 
 
+def frontier_configs(method: str, budget: str) -> list[tuple[str, str, str, str]]:
+    """(label, method, budget, cache type) of each configuration ``--frontier`` compares."""
+    return [("full", "full", "1", "f16"), ("full-kv-q8_0", "full", "1", "q8_0"), ("full-kv-q4_0", "full", "1", "q4_0"),
+            (f"{method} {budget}", method, budget, "f16"), (f"{method}@kv-q8_0 {budget}", method, budget, "q8_0")]
+
+
+def run_frontier(args, model: Model) -> int:
+    """``--frontier``: the configurations of :func:`frontier_configs` at each ``--contexts`` length."""
+    configs = frontier_configs(args.method, args.budget)
+    rows = []
+    for n in args.contexts:
+        tokens = long_text(model, n - args.decode - 1)
+        for i, (label, method, budget, cache) in enumerate(configs, 1):
+            print(f"[{n:,} tokens {i}/{len(configs)}] {label}", file=sys.stderr, flush=True)
+            r = measure(model, tokens, method, budget, args.decode, args.threads, cache=cache)
+            rows.append(dict(tokens=n, config=label, kv_bytes=r["kv_bytes_allocated"], ttft=r["prefill_seconds"],
+                             decode_tok_s=r["decode_tok_s"], compression_seconds=r["compression_seconds"],
+                             share=r["compression_seconds"] / r["prefill_seconds"], events=r["compression_events"]))
+    if args.plot:
+        _plot_frontier(rows, args.plot, f"{model.path.name} · {args.method} at {args.budget}")
+    if _json_or_title(args, model, "frontier", rows, f"{args.decode} decoded"):
+        return 0
+    mib = 2**20
+    print(f"{'tokens':>8}  {'configuration':<26}{'KV MiB':>8} {'vs full':>8} {'TTFT s':>8} {'vs full':>8} "
+          f"{'decode t/s':>11} {'vs full':>8} {'compression':>12}")
+    for r in rows:
+        full = next(f for f in rows if f["tokens"] == r["tokens"] and f["config"] == "full")
+        share = f"{100 * r['share']:.1f}%" if r["events"] else "-"
+        print(f"{r['tokens']:>8,}  {r['config']:<26}{r['kv_bytes'] / mib:>8.1f} {r['kv_bytes'] / full['kv_bytes']:>7.3f}x "
+              f"{r['ttft']:>8.1f} {r['ttft'] / full['ttft']:>7.2f}x {r['decode_tok_s']:>11.1f} "
+              f"{r['decode_tok_s'] / full['decode_tok_s']:>7.2f}x {share:>12}")
+    return 0
+
+
+def _json_or_title(args, model: Model, key: str, rows: list[dict], what: str) -> bool:
+    """``--json``: print ``{key: rows}`` and return True; else print the table's title line."""
+    if args.json:
+        print(json.dumps({key: rows}, indent=1))
+        return True
+    print(f"model {model.path.name} · method {args.method} · budget {args.budget} · {what} · "
+          f"threads {args.threads or 'default'}")
+    return False
+
+
+def _plot_frontier(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for label in dict.fromkeys(r["config"] for r in rows):
+        rs = [r for r in rows if r["config"] == label]
+        x = [r["tokens"] for r in rs]
+        for ax, key, scale in zip(axes, ("kv_bytes", "ttft", "decode_tok_s"), (2**-20, 1, 1)):
+            ax.plot(x, [r[key] * scale for r in rs], marker="o", label=label)
+    for ax, name in zip(axes, ("KV MiB", "TTFT (s)", "decode tokens/s")):
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 QUESTION = "\n\nQuestion: which obligations does the text above put on someone who conveys the work?\nAnswer:"
 
 
@@ -145,12 +223,9 @@ def run_recall_cost(args, model: Model) -> int:
                              host_tier_bytes=s.host_tier_bytes, kv_bytes_allocated=s.kv_bytes_allocated,
                              budget_cells=s.budget_cells, compression_events=s.compression_events))
             eng.tier.close()
-    if args.json:
-        print(json.dumps({"recall": rows}, indent=1))
+    if _json_or_title(args, model, "recall", rows, "one question after the document"):
         return 0
     mib = 2**20
-    print(f"model {model.path.name} · method {args.method} · budget {args.budget} · one question after the document · "
-          f"threads {args.threads or 'default'}")
     print(f"{'tokens':>8} {'backend':>8} {'budget':>7} {'prefill s':>10} {'recall s':>9} {'share':>7} {'scored':>8} "
           f"{'rows in':>8} {'rows out':>9} {'tier MiB':>9} {'KV MiB':>7} {'copied MiB':>11}   target: share <= 3%")
     for r in rows:
@@ -177,5 +252,9 @@ def add_arguments(p) -> None:
     p.add_argument("--recall-cost", action="store_true",
                    help="measure one question's re-selection by the recall tier against the document's prefill, "
                         "per --contexts length (target <= 3%%), instead of the backends")
+    p.add_argument("--frontier", action="store_true",
+                   help="per --contexts length: the full F16 cache, the q8_0 and q4_0 K+V caches, the method at the "
+                        "budget and on a q8_0 cache — KV bytes, TTFT, decode speed, compression share")
+    p.add_argument("--plot", metavar="FILE", help="with --frontier: a figure (PNG) of the table against the context")
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384], metavar="N",
-                   help="document lengths for --recall-cost (default 4096 8192 16384)")
+                   help="context lengths for --recall-cost and --frontier (default 4096 8192 16384)")
