@@ -70,16 +70,16 @@ class Llama:
         from kvlocal.runtime import Sampler, SamplerParamError
         from kvlocal.server.requests import BadRequest, normalize_messages
 
-        from kvlocal.chat.tools import check_tools, turn_start
+        from kvlocal.chat.tools import check_tool_choice, check_tools, turn_start
 
         for name, value in (("functions", functions), ("function_call", function_call),
                             ("grammar", grammar), ("logits_processor", logits_processor), ("logit_bias", logit_bias),
                             ("logprobs", logprobs), ("top_logprobs", top_logprobs)):
             if value:
                 raise UsageError(f"{name} is not supported by kvlocal.Llama" + ("; use tools" if "function" in name else ""))
-        if tool_choice is not None and not tools and tool_choice not in ("none", "auto"):
-            raise UsageError("tool_choice needs tools")
-        tools = check_tools(tools) if tools and tool_choice != "none" else None  # "none": not in the prompt
+        tools = check_tools(tools) if tools else None
+        if check_tool_choice(tool_choice, tools) == "none":
+            tools = None  # not in the prompt, as the server has it
         if response_format and (response_format or {}).get("type") != "text":
             raise UsageError("response_format: only {'type': 'text'} is supported by kvlocal.Llama")
         for name, value, neutral in (("typical_p", typical_p, 1.0), ("tfs_z", tfs_z, 1.0), ("mirostat_mode", mirostat_mode, 0),

@@ -72,10 +72,8 @@ def test_calls_come_out_of_the_text_streamed_or_whole(text, fmt, content, calls)
 
 
 def test_the_template_decides_whether_tools_are_taken(qwen_model, smollm2_model, gemma3_model):
-    from kvlocal.runtime.chat_template import chat_template
-
-    assert chat_template(qwen_model).tool_format == "hermes"
-    assert chat_template(smollm2_model).tool_format is None and chat_template(gemma3_model).tool_format is None
+    assert qwen_model.tool_format == "hermes"
+    assert smollm2_model.tool_format is None and gemma3_model.tool_format is None
     assert tool_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
     llama3 = ("{% if tools %}{% for t in tools %}{{ t | tojson }}{% endfor %}{% endif %}"
               "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>{{ m.content }}{% endfor %}")

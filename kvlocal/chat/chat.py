@@ -39,8 +39,7 @@ from kvlocal.errors import UsageError
 from kvlocal.recall import parse_size
 from kvlocal.runtime import Model, RowRecord, Sampler, cache_type, kv_cache_bytes, pad_cells, runtime_info
 from kvlocal.chat.session import ChatSession, Transcript
-from kvlocal.chat.tools import CallFilter, check_tools, forced_prefix
-from kvlocal.chat.tools import parse as parse_calls
+from kvlocal.chat.tools import CallFilter, check_tool_choice, check_tools, forced_prefix
 
 Progress = Callable[[int, int], None]
 
@@ -167,17 +166,20 @@ class Chat:
                     return
                 calls = CallFilter(fmt, self._tool_names)
                 self.tool_calls = calls.calls  # filled as the calls end
+                shown: list[str] = []
                 try:
                     for piece in reply:
                         piece = calls.feed(piece)
                         if piece:
+                            shown.append(piece)
                             yield piece
                     rest = calls.finish()
                     if rest:
+                        shown.append(rest)
                         yield rest
                 finally:
                     if calls.calls:  # kept with the reply's text (which the cache holds as the model wrote it)
-                        self.session.t.messages[-1]["calls"] = list(calls.calls)
+                        self.session.t.messages[-1].update(calls=list(calls.calls), shown="".join(shown))
             finally:
                 self._note_rates(s0)
 
@@ -206,29 +208,17 @@ class Chat:
 
     @property
     def tool_format(self) -> str | None:
-        """How this model writes tool calls (``hermes``: Qwen 2.5/3 and others, ``llama3``), or None when its
-        chat template does not take tools (kvlocal/chat/tools.py)."""
-        from kvlocal.runtime.chat_template import chat_template
-
-        return chat_template(self.model).tool_format
+        """How this model writes tool calls (:attr:`kvlocal.runtime.Model.tool_format`)."""
+        return self.model.tool_format
 
     def _tool_choice(self, choice) -> tuple[str, str | None]:
         """(the reply's forced beginning, the format its calls are taken out in) for a ``tool_choice``."""
-        tools = self.session.t.tools if getattr(self, "session", None) else None
-        if choice in ("auto", None):
-            return "", self.tool_format if tools else None
-        if choice == "none":
+        choice = check_tool_choice(choice, self.tools)
+        if choice == "none" or not self.tools:
             return "", None
-        if not tools:
-            raise UsageError("tool_choice needs tools: give the chat tools=[...]")
-        if choice == "required":
-            return forced_prefix(self.tool_format), self.tool_format
-        name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
-        if not isinstance(name, str):
-            raise UsageError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}')
-        if name not in {t["function"]["name"] for t in tools}:
-            raise UsageError(f"tool_choice names {name!r}, which is not one of the tools")
-        return forced_prefix(self.tool_format, name), self.tool_format
+        if choice == "auto":
+            return "", self.tool_format
+        return forced_prefix(self.tool_format, choice["function"]["name"] if isinstance(choice, dict) else None), self.tool_format
 
     def ask(self, message: str | dict | list[dict], max_tokens: int | None = None, tool_choice: str | dict = "auto") -> str:
         """:meth:`send`, returning the whole reply's text."""
@@ -298,13 +288,12 @@ class Chat:
         """The conversation: with tools, an assistant message's calls are in its ``tool_calls`` (as
         :attr:`tool_calls` gave them), not in its text."""
         with self._lock:
-            fmt = self.tool_format if self.session.t.tools else None
             out = []
             for m in self.session.t.messages:
                 m = dict(m)
-                calls = m.pop("calls", None)
-                if calls and fmt:
-                    m["content"], m["tool_calls"] = parse_calls(m["content"], fmt, self._tool_names)[0], calls
+                calls, shown = m.pop("calls", None), m.pop("shown", "")
+                if calls:
+                    m["content"], m["tool_calls"] = shown, calls
                 out.append(m)
             return out
 

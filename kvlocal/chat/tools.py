@@ -66,6 +66,22 @@ def check_tools(tools, where: str = "tools") -> list[dict]:
     return out
 
 
+def check_tool_choice(choice, tools: list[dict] | None) -> str | dict:
+    """A ``tool_choice``, checked against the tools: ``"auto"`` (also for None), ``"none"``, ``"required"``, or
+    ``{"type": "function", "function": {"name": ...}}`` naming one of them. UsageError names what is wrong."""
+    if choice in (None, "auto", "none"):
+        return choice or "auto"
+    f = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = f.get("name") if isinstance(f, dict) else None
+    if choice != "required" and not isinstance(name, str):
+        raise UsageError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}')
+    if not tools:
+        raise UsageError("tool_choice needs tools")
+    if name is not None and name not in {t["function"]["name"] for t in tools}:
+        raise UsageError(f"tool_choice names {name!r}, which is not one of the tools")
+    return choice
+
+
 def tool_format(template: str | None) -> str | None:
     """How a model writes its calls, from its Jinja chat template: ``hermes``, ``llama3``, or None when the
     template does not take tools."""

@@ -118,6 +118,14 @@ class Model:
 
         return chat_template(self).render(messages, add_assistant, tools)
 
+    @property
+    def tool_format(self) -> str | None:
+        """How this model writes tool calls (``hermes``: Qwen 2.5/3 and others, ``llama3``; kvlocal/chat/tools.py),
+        or None when its chat template does not take tools."""
+        from kvlocal.runtime.chat_template import chat_template
+
+        return chat_template(self).tool_format
+
 
 class Context:
     """A llama.cpp context with one sequence (id 0) whose tokens kvlocal places itself.

@@ -125,30 +125,20 @@ def _job(body: dict, worker: Worker, default_max: int) -> tuple[Job, bool, bool]
 def _tools(raw, choice, worker: Worker) -> tuple[list[dict] | None, str | dict]:
     """(tools, tool_choice) of a request: the definitions checked, the model's template able to take them;
     ``tool_choice: "none"`` leaves them out of the prompt (as llama-server does)."""
-    from kvlocal.chat.tools import check_tools
+    from kvlocal.chat.tools import check_tool_choice, check_tools
 
-    if choice is not None and choice not in ("auto", "none", "required") and not (
-            isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
-            and isinstance(choice["function"].get("name"), str)):
-        raise BadRequest('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}',
-                         "tool_choice", "invalid_value")
-    if raw is None or raw == []:
-        if choice not in (None, "none", "auto"):
-            raise BadRequest("tool_choice needs tools", "tool_choice", "invalid_value")
-        return None, "auto"
     try:
-        tools = check_tools(raw)
+        tools = check_tools(raw) if raw else None
     except UsageError as e:
         raise BadRequest(str(e), "tools", "invalid_value") from None
-    if worker.tool_format is None:
+    try:
+        choice = check_tool_choice(choice, tools)
+    except UsageError as e:
+        raise BadRequest(str(e), "tool_choice", "invalid_value") from None
+    if tools and worker.tool_format is None:
         raise BadRequest(f"the chat template of {worker.model_id} does not take tools: serve a model whose template does "
                          f"(e.g. Qwen2.5), or leave tools out", "tools", "unsupported_parameter")
-    if isinstance(choice, dict) and choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
-        raise BadRequest(f"tool_choice names {choice['function']['name']!r}, which is not one of the tools",
-                         "tool_choice", "invalid_value")
-    if choice == "none":
-        return None, "auto"
-    return tools, choice or "auto"
+    return (tools, choice) if tools and choice != "none" else (None, "auto")
 
 
 def _kv_options(raw) -> dict:

@@ -116,9 +116,7 @@ class Worker:
     @property
     def tool_format(self) -> str | None:
         """How the served model writes tool calls; None when its template does not take tools."""
-        from kvlocal.runtime.chat_template import chat_template
-
-        return chat_template(self.model).tool_format
+        return self.model.tool_format
 
     def submit(self, job: Job) -> concurrent.futures.Future:
         with self._count:
