@@ -35,6 +35,7 @@ def add_llama_args(p: argparse.ArgumentParser) -> None:
 
 def add_budget_args(p: argparse.ArgumentParser) -> None:
     from kvlocal.compress import METHODS
+    from kvlocal.engine.config import OBSERVE_EVERY
 
     p.add_argument("--budget", default="0.1",
                    help="KV budget: a ratio in (0, 1] of the context (-c; `run`: of the prompt and -n) (default 0.1), "
@@ -45,6 +46,9 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recent", "--window", type=int, default=32, dest="recent",
                    help="the protected recent span: the newest tokens always kept, and the probe's length (default 32; "
                         "--window is its old name)")
+    p.add_argument("--observe-every", type=int, default=OBSERVE_EVERY, metavar="N",
+                   help="prefill compression events one decode of the probe scores; between decodes its queries are "
+                        "moved to the new positions by RoPE (default %(default)s; docs/engine.md)")
     p.add_argument("--backend", default="auto", choices=("auto", "native", "state"),
                    help="where compression runs: native = on the device that holds the cache (patched llama.cpp; "
                         "eviction methods, unquantized caches), state = K/V read to the host (every method); "
@@ -78,6 +82,8 @@ def check_llama_args(args) -> None:
         raise UsageError(f"-ngl/--n-gpu-layers {args.n_gpu_layers}: give a number of layers, 0 for none or -1 for all")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"-t/--threads {args.threads}: give at least 1 (default: the cores, at most 8)")
+    if getattr(args, "observe_every", 1) < 1:
+        raise UsageError(f"--observe-every {args.observe_every}: give at least 1 (1: the probe is decoded for every event)")
     if hasattr(args, "recall"):
         check_recall_args(args)
 
@@ -129,7 +135,12 @@ def engine_from_args(args, model, max_tokens: int):
               file=sys.stderr)
     return Engine(model, budget, args.method, max_tokens=max_tokens, chunk=args.chunk, recent=args.recent,
                   flash_attn=args.flash_attn, n_threads=args.threads, backend=args.backend, **cache_types(args),
-                  **recall_args(args))
+                  **recall_args(args), **observe_args(args))
+
+
+def observe_args(args) -> dict:
+    """``--observe-every`` → the Engine's and Chat's ``observe_every`` keyword."""
+    return dict(observe_every=args.observe_every)
 
 
 def cache_types(args) -> dict:

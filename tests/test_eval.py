@@ -57,14 +57,17 @@ def test_plan_runs_the_full_cache_first_and_each_probe_where_it_matters():
 
 
 def test_methods_run_on_quantized_caches_as_method_at_cache():
-    from kvlocal.eval.runner import split_method
+    from kvlocal.eval.runner import observe_every, split_method
 
     assert split_method("criticalkv@kv-q8_0") == ("criticalkv", (8, 8), False)
     assert split_method("streaming@q4_0") == ("streaming", (2, None), False)
     assert split_method("full-kv-q4_0") == ("full", (2, 2), False) and split_method("snapkv") == ("snapkv", (None, None), False)
     assert split_method("criticalkv+recall") == ("criticalkv", (None, None), True)
     assert split_method("criticalkv+recall@kv-q8_0") == ("criticalkv", (8, 8), True)
-    for bad in ("full@kv-q8_0", "criticalkv@q3_k", "h2o@kv-q8_0", "kvslimmer+recall", "full+recall"):
+    assert split_method("criticalkv+recall+every4@kv-q8_0") == ("criticalkv", (8, 8), True)
+    assert [observe_every(m) for m in ("criticalkv", "criticalkv+every4", "snapkv+recall+every12@kv-q8_0")] == [1, 4, 12]
+    for bad in ("full@kv-q8_0", "criticalkv@q3_k", "h2o@kv-q8_0", "kvslimmer+recall", "full+recall", "criticalkv+every0",
+                "criticalkv+every4+recall"):
         with pytest.raises(ValueError):
             split_method(bad)
     specs = plan(["m"], ["needle"], ["streaming@kv-q8_0", "criticalkv@kv-q8_0"], [0.1], ["question", "agnostic"], 0, 500)

@@ -42,12 +42,12 @@ def long_text(model: Model, n_tokens: int) -> list[int]:
 
 
 def measure(model: Model, tokens: list[int], method: str, budget: str, n_decode: int, threads: int | None,
-            backend: str = "auto", cache: str = "f16") -> dict:
+            backend: str = "auto", cache: str = "f16", **engine) -> dict:
     """Prefill ``tokens`` and decode ``n_decode`` more on a new engine; its stats with the decode speed.
-    ``cache``: the K and V cache type (llama.cpp's -ctk/-ctv names)."""
+    ``cache``: the K and V cache type (llama.cpp's -ctk/-ctv names); ``engine``: more Engine keywords."""
     t = None if cache == "f16" else cache_type(cache)
     eng = Engine(model, Budget.parse(budget), method, max_tokens=len(tokens) + n_decode + 1, n_threads=threads,
-                 backend=backend, type_k=t, type_v=t)
+                 backend=backend, type_k=t, type_v=t, **engine)
     eng.prefill(tokens, probe=tokens[-32:])
     # greedy decode without stopping at end-of-text: a fixed number of steps at this context
     t0 = time.perf_counter()
@@ -79,6 +79,10 @@ def run(args) -> int:
             raise UsageError(f"--contexts: {model.path.name} was trained on {model.n_ctx_train:,} tokens; "
                              f"give lengths up to that")
         return run_recall_cost(args, model) if args.recall_cost else run_frontier(args, model)
+    if args.overhead:
+        if min(args.chunks) < 1 or min(args.observe_every) < 1:
+            raise UsageError("--chunks and --observe-every: give whole numbers of at least 1")
+        return run_overhead(args, model)
     backends = args.backends or default_backends(args.method)
     long = long_text(model, args.long)
 
@@ -126,6 +130,45 @@ def run(args) -> int:
     row("K/V copied to the host", "", [f"{runs[b]['host_kv_bytes'] / mib:,.1f} MiB" for b in backends], "0 on native")
     for step in ("observe", "read", "score", "apply"):
         row(f"  {step} seconds", "", [f"{runs[b]['compression_breakdown'].get(step, 0.0):.2f}" for b in backends])
+    return 0
+
+
+def run_overhead(args, model: Model) -> int:
+    """``--overhead``: what each lever against compression's cost buys, side by side on one prompt: every
+    ``--chunks`` (fewer, larger events; more cells) × ``--observe-every`` (fewer probe decodes), against the
+    full cache."""
+    long = long_text(model, args.long)
+    backend = (args.backends or ["auto"])[0]
+    grid = [(c, e) for c in args.chunks for e in args.observe_every]
+    print(f"[1/{1 + len(grid)}] full cache, {len(long)}-token prompt + {args.decode} decoded", file=sys.stderr, flush=True)
+    full = measure(model, long, "full", "1", args.decode, args.threads)
+    rows = []
+    for i, (chunk, every) in enumerate(grid, 2):
+        print(f"[{i}/{1 + len(grid)}] {args.method} {args.budget}, chunk {chunk}, observe every {every}", file=sys.stderr, flush=True)
+        r = measure(model, long, args.method, args.budget, args.decode, args.threads, backend, chunk=chunk,
+                    observe_every=every)
+        rows.append(dict(chunk=chunk, observe_every=every, kv_bytes=r["kv_bytes_allocated"], n_ctx=r["n_ctx"],
+                         ttft=r["prefill_seconds"], decode_tok_s=r["decode_tok_s"], events=r["compression_events"],
+                         moved=r["observations_moved"], compression_seconds=r["compression_seconds"],
+                         share=r["compression_seconds"] / r["prefill_seconds"], breakdown=r["compression_breakdown"],
+                         backend=r["backend"]))
+    if _json_or_title(args, model, "overhead", [dict(full=True, kv_bytes=full["kv_bytes_allocated"],
+                                                     ttft=full["prefill_seconds"], decode_tok_s=full["decode_tok_s"]),
+                                                *rows], f"{len(long):,}-token prompt, {args.decode} decoded"):
+        return 0
+    mib = 2**20
+    print(f"full cache: {full['kv_bytes_allocated'] / mib:.1f} MiB, TTFT {full['prefill_seconds']:.1f} s, "
+          f"decode {full['decode_tok_s']:.1f} tok/s")
+    print(f"{'chunk':>6} {'observe':>8} {'n_ctx':>6} {'KV vs full':>10} {'TTFT vs full':>12} {'decode vs full':>14} "
+          f"{'events':>7} {'decoded':>8} {'share':>7} {'observe s':>10} {'score s':>8} {'apply s':>8}   target: share <= 5%")
+    for r in rows:
+        b = r["breakdown"]
+        print(f"{r['chunk']:>6} {r['observe_every']:>8} {r['n_ctx']:>6,} {r['kv_bytes'] / full['kv_bytes_allocated']:>9.3f}x "
+              f"{r['ttft'] / full['prefill_seconds']:>11.2f}x {r['decode_tok_s'] / full['decode_tok_s']:>13.2f}x "
+              f"{r['events']:>7} {r['events'] - r['moved']:>8} {100 * r['share']:>6.1f}% {b.get('observe', 0):>10.2f} "
+              f"{b.get('score', 0) + b.get('read', 0):>8.2f} {b.get('apply', 0):>8.2f}")
+    print("decoded: events whose probe was decoded (the others were scored by its queries moved by RoPE); "
+          "score s includes reading the cells")
     return 0
 
 
@@ -255,6 +298,11 @@ def add_arguments(p) -> None:
     p.add_argument("--frontier", action="store_true",
                    help="per --contexts length: the full F16 cache, the q8_0 and q4_0 K+V caches, the method at the "
                         "budget and on a q8_0 cache — KV bytes, TTFT, decode speed, compression share")
+    p.add_argument("--overhead", action="store_true",
+                   help="compression's cost per lever: every --chunks × --observe-every on the --long prompt, against the full cache")
+    p.add_argument("--chunks", type=int, nargs="+", default=[128, 512], metavar="N", help="with --overhead (default 128 512)")
+    p.add_argument("--observe-every", type=int, nargs="+", default=[1, 4], metavar="N",
+                   help="with --overhead: events one probe decode scores (default 1 4)")
     p.add_argument("--plot", metavar="FILE", help="with --frontier: a figure (PNG) of the table against the context")
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384], metavar="N",
                    help="context lengths for --recall-cost and --frontier (default 4096 8192 16384)")

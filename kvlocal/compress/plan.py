@@ -233,12 +233,13 @@ class Plan:
                 out[il, h, m["slots"]] = True
         return out
 
-    def materialize(self, k, v, counts_in=None, k_codec=None, v_codec=None):
+    def materialize(self, k, v, counts_in=None, k_codec=None, v_codec=None, dtype=np.float32):
         """The rows the cells get: ``(k_out, v_out, counts_out, bias_out)``.
 
         k, v: per layer ``[n, Hkv, d]`` source rows (cell-major, as the state backend reads them; float16
         or float32); counts_in: ``[n_layer, Hkv, n]`` int64 source counts (``None``: all 1). Returns
-        per-layer lists ``k_out[l]``, ``v_out[l]`` ``[B, Hkv, d]`` float32, ``counts_out``
+        per-layer lists ``k_out[l]``, ``v_out[l]`` ``[B, Hkv, d]`` of ``dtype`` (float32; None: the
+        source's, which spares the state backend converting every row twice), ``counts_out``
         ``[n_layer, Hkv, B]`` int64 (0 for empty slots) and ``bias_out`` float32 ``log(count)`` (``-inf``
         for empty slots). A plain slot copies its cell's rows; a merged slot gets the key ``Σ w_i k_i``
         (float32) and the value ``Σ c_i v_i / Σ c_i`` (count-weighted mean: the cache stores means with a
@@ -253,6 +254,7 @@ class Plan:
         """
         n_layer, hkv, width = self.keep.shape
         heads = np.arange(hkv)[:, None]
+        rows_of = np.arange(hkv)[None, :]  # gathers straight into cell-major [B, Hkv, ...]
         k_out, v_out = [], []
         counts_out = np.zeros((n_layer, hkv, width), dtype=np.int64)
         for il in range(n_layer):
@@ -261,10 +263,12 @@ class Plan:
             keep = self.keep[il]
             filled = keep >= 0
             idx = np.maximum(keep, 0)
-            ko = kl[idx, heads] if k_codec else kl[idx, heads].astype(np.float32)  # [Hkv, B, d or bytes]
-            vo = vl[idx, heads] if v_codec else vl[idx, heads].astype(np.float32)
-            ko[~filled] = 0
-            vo[~filled] = 0
+            ko, vo = kl[idx.T, rows_of], vl[idx.T, rows_of]  # [B, Hkv, d or bytes]
+            if dtype is not None:
+                ko = ko if k_codec else ko.astype(dtype, copy=False)
+                vo = vo if v_codec else vo.astype(dtype, copy=False)
+            ko[~filled.T] = 0
+            vo[~filled.T] = 0
             c = np.where(filled, cin[heads, idx], 0)
             for h, m in enumerate(self.merges[il] if self.merges is not None and self.merges[il] is not None else ()):
                 if not len(m["slots"]):
@@ -277,12 +281,12 @@ class Plan:
                 km = np.einsum("mg,mgd->md", w, _decoded(kl[cells, h], k_codec))
                 vm = (np.einsum("mg,mgd->md", cm.astype(np.float32), _decoded(vl[cells, h], v_codec))
                       / total[:, None].astype(np.float32))
-                ko[h, m["slots"]] = k_codec.encode(km) if k_codec else km
-                vo[h, m["slots"]] = v_codec.encode(vm) if v_codec else vm
+                ko[m["slots"], h] = k_codec.encode(km) if k_codec else km
+                vo[m["slots"], h] = v_codec.encode(vm) if v_codec else vm
                 c[h, m["slots"]] = total
             counts_out[il] = c
-            k_out.append(np.ascontiguousarray(ko.transpose(1, 0, 2)))  # [B, Hkv, d]
-            v_out.append(np.ascontiguousarray(vo.transpose(1, 0, 2)))
+            k_out.append(ko)
+            v_out.append(vo)
         with np.errstate(divide="ignore"):
             bias_out = np.log(counts_out.astype(np.float32))  # log 0 = -inf
         return k_out, v_out, counts_out, bias_out

@@ -67,6 +67,7 @@ class EngineStats:
     compression_events: int = 0
     compression_seconds: float = 0.0  # part of prefill/decode seconds: scoring, KV read/write, and the probe's decode
     compression_breakdown: dict = field(default_factory=dict)  # seconds by step: observe, read, score, apply
+    observations_moved: int = 0  # events scored by an earlier probe decode's queries, moved by RoPE (observe_every)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     repositions: int = 0  # times an endless session moved its positions back into the trained range
@@ -101,6 +102,10 @@ def resolve_recall(recall: bool | None, method: str) -> bool:
     return bool(recall) and method != "full"
 
 
+# prefill compression events one decode of the probe scores (kvlocal.engine.observation; docs/engine.md)
+OBSERVE_EVERY = 4
+
+
 @dataclass
 class EngineConfig:
     budget: Budget = field(default_factory=lambda: Budget(ratio=0.1))
@@ -109,10 +114,11 @@ class EngineConfig:
     recent: int = 32  # the protected recent span: the newest tokens always kept; also the probe length cap
     n_sink: int = 4  # first tokens always kept (attention sinks)
     max_tokens: int | None = None  # tokens a session may see in all (hard cap; sizes a ratio budget)
+    observe_every: int = OBSERVE_EVERY  # prefill events one probe decode scores (kvlocal.engine.observation)
 
     def validate(self) -> None:
         """Raise UsageError naming the fix for values the engine cannot work with."""
-        for name, lo in (("chunk", 1), ("recent", 1), ("n_sink", 0), ("max_tokens", 1)):
+        for name, lo in (("chunk", 1), ("recent", 1), ("n_sink", 0), ("max_tokens", 1), ("observe_every", 1)):
             val = getattr(self, name)
             if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < lo:
                 raise UsageError(f"{name} must be a whole number >= {lo}, got {val!r}")

@@ -62,8 +62,9 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, observation_window, plan_layers
-from kvlocal.engine.config import Budget, EngineConfig, EngineState, EngineStats, resolve_recall
+from kvlocal.engine.config import OBSERVE_EVERY, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
 from kvlocal.engine.interrupts import interrupts_deferred
+from kvlocal.engine.observation import Observations, Rope
 from kvlocal.engine.positions import reposition
 from kvlocal.errors import UsageError
 from kvlocal.recall import HostTier, choose_candidates, evicted, store_evicted, with_candidates
@@ -108,9 +109,10 @@ class Engine:
         recall_dir: str | None = None,
         recall_span: str = "row",
         recall_candidates: float = 4.0,
+        observe_every: int = OBSERVE_EVERY,
     ):
         budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
-        self.cfg = EngineConfig(budget, method, chunk, recent, n_sink, max_tokens)
+        self.cfg = EngineConfig(budget, method, chunk, recent, n_sink, max_tokens, observe_every)
         self.cfg.validate()
         self.scorer = make_scorer(method)
         recall = resolve_recall(recall, method)
@@ -177,6 +179,8 @@ class Engine:
         self.prompt_plan: Plan | None = None  # the plan in effect when the prompt ended (--dump-plan)
         self.last_probe: list[int] = []  # the tokens whose queries scored the latest event
         self._probe: list[int] | None = None  # the probe of the last prefill/append
+        # prefill events between two decodes of the probe are scored by its queries moved by RoPE
+        self.observations = Observations(Rope.of(m) if method != "full" else None, self.cfg.observe_every)
         self._reply: list[int] = []  # tokens generated since the last prefill/append
         # endless (a chat): past max_tokens the session goes on inside the same budget, and its positions
         # are moved back under the trained context whenever they would pass it (:func:`kvlocal.engine.positions.reposition`)
@@ -220,7 +224,9 @@ class Engine:
                 continue
             self._fit_positions(room + len(probe))
             chunk = list(tokens[i:i + room])
-            observed = self._decode_chunk(chunk, probe)
+            # the event that ends the prompt is always observed afresh: generation starts from its cache
+            fresh = i + len(chunk) >= len(tokens) or self.observations.needs_decode(probe)
+            observed = self._decode_chunk(chunk, probe, fresh)
             i += len(chunk)
             if progress is not None:
                 progress(i, len(tokens))
@@ -304,6 +310,7 @@ class Engine:
                 self.tier.truncate(state.tier_mark if state.tier_mark is not None else self.tier.mark_of() * 0)
                 self.tier.sync(self._read().true)
             self._settled = state.settled
+            self.observations.forget()
             self._probe = None if state.probe is None else list(state.probe)
             self._reply = list(state.reply)
             fixed = {k: getattr(self.stats, k) for k in ("n_ctx", "kv_bytes_allocated", "kv_bytes_swa",
@@ -391,13 +398,13 @@ class Engine:
         self.stats.kv_cells_live = len(self.kv.positions())
         self.stats.kv_cells_live_peak = max(self.stats.kv_cells_live_peak, self.stats.kv_cells_live)
 
-    def _decode_chunk(self, chunk: list[int], probe: list[int]):
-        """Decode a prompt chunk; when compression may follow, decode the probe in the same call as the
-        chunk's tail (one graph, better matmul shapes than a separate small batch, and one ubatch, so
-        that a sliding-window cache only reuses cells relative to a real token), capture its queries,
-        and remove it. Returns the observation (queries, positions) or None."""
+    def _decode_chunk(self, chunk: list[int], probe: list[int], observe: bool = True):
+        """Decode a prompt chunk; when compression may follow and ``observe``, decode the probe in the same
+        call as the chunk's tail (one graph, better matmul shapes than a separate small batch, and one
+        ubatch, so that a sliding-window cache only reuses cells relative to a real token), capture its
+        queries, and remove it. Returns the observation (queries, positions) or None."""
         p0 = self.n_past
-        with_probe = self.cfg.method != "full" and self.live_cells() + len(chunk) > self._settled
+        with_probe = observe and self.cfg.method != "full" and self.live_cells() + len(chunk) > self._settled
         with self._rollback():
             if not with_probe:
                 self.logits = self._decode(chunk, range(p0, p0 + len(chunk)), "last")
@@ -419,11 +426,13 @@ class Engine:
             queries = self.capture.take()
         self._note_live()
         self.last_probe = list(probe)
+        q_pos = np.arange(self.n_past, self.n_past + len(probe))
+        self.observations.keep(probe, queries, q_pos)
         # the probe's share of this decode counts as compression time (estimated by token share)
         dt = (time.perf_counter() - t0) * len(probe) / len(seq)
         self.stats.compression_seconds += dt
         self.stats.compression_breakdown["observe"] = self.stats.compression_breakdown.get("observe", 0.0) + dt
-        return queries, np.arange(self.n_past, self.n_past + len(probe))
+        return queries, q_pos
 
     def _observe(self, probe: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray]:
         """Decode the probe after the cache with query capture, then remove it. Returns per compressed
@@ -439,6 +448,7 @@ class Engine:
             self.ctx.remove(p0, -1)
             queries = self.capture.take()
         self.last_probe = list(probe)
+        self.observations.keep(probe, queries, q_pos)
         return queries, q_pos
 
     def _read(self) -> CacheRead:
@@ -450,7 +460,14 @@ class Engine:
         already captured them over the current cache, else the probe is decoded now."""
         clock = time.perf_counter
         t0 = clock()
-        q, q_pos = observed if observed is not None else self._observe(probe)
+        if observed is None:
+            o = self.observations
+            if o.needs_decode(probe):
+                observed = self._observe(probe)
+            else:
+                observed = o.moved(self.n_past)
+                self.stats.observations_moved += 1
+        q, q_pos = observed
         t1 = clock()
         read = self._read()
         t2 = clock()

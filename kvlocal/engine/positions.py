@@ -46,6 +46,7 @@ def reposition(engine) -> None:
         record.pos = cell_new
         engine.n_past = int(moved(np.array([engine.n_past]))[0])
         engine.stats.repositions += 1
+        engine.observations.forget()  # the kept probe queries' positions mean nothing now
         if engine.tier is not None:
             # the tier's rows cannot follow: their keys carry the old rotation and the new range has no
             # positions between the renumbered cells for them; an endless chat starts a new tier here

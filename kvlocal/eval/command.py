@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="folder for results.jsonl, results.csv, summary.md and the plots; "
                                                 "rerunning with the same folder skips the runs already in it")
     p.add_argument("--methods", nargs="+", help=f"of {', '.join(METHOD_CHOICES)}; a method on a quantized cache is "
-                                                f"METHOD@CACHE, CACHE of {', '.join(CACHES)} (criticalkv@kv-q8_0); the "
+                                                f"METHOD@CACHE, CACHE of {', '.join(CACHES)} (criticalkv@kv-q8_0); "
+                                                f"METHOD+everyN decodes the probe once in N prefill events; the "
                                                 f"full F16 cache always runs (default: streaming snapkv criticalkv, the "
                                                 f"full-* caches, snapkv@kv-q8_0 criticalkv@kv-q8_0)")
     p.add_argument("--budgets", nargs="+", help="ratios in (0, 1) (default 0.05 0.1 0.2 0.4)")
@@ -67,7 +68,7 @@ def _check_methods(given) -> None:
             split_method(m)
         except ValueError:
             raise UsageError(f"--methods: unknown {m}; choose from {', '.join(METHOD_CHOICES)}, or METHOD@CACHE with "
-                             f"CACHE of {', '.join(CACHES)} (e.g. criticalkv@kv-q8_0)") from None
+                             f"CACHE of {', '.join(CACHES)} (e.g. criticalkv@kv-q8_0), and +everyN with N >= 1") from None
 
 
 def check_choices(flag: str, given, allowed) -> None:

@@ -13,13 +13,16 @@ quantized V cache runs with flash attention), ``full-q8_0`` and ``full-q4_0`` wi
 Compression on such a cache is ``METHOD@CACHE`` (``criticalkv@kv-q8_0``: eviction of q8_0 rows). With
 the recall tier, ``METHOD+recall`` (``criticalkv+recall``, ``criticalkv+recall@kv-q8_0``): evicted rows
 wait on the host and the question re-selects the cache before it is decoded, as ``kvlocal run`` and a chat
-do; without the suffix a method runs with recall off.
+do; without the suffix a method runs with recall off. ``+everyN`` (``criticalkv+every4``): the prompt's compression
+events decode the probe once in N and are otherwise scored by its queries moved by RoPE (the engine's
+``observe_every``; kvlocal/engine/observation.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,6 +50,13 @@ EVICTION = tuple(m for m in METHODS if m != "full")
 
 
 RECALL = "+recall"  # the suffix of a method run with the recall tier
+EVERY = re.compile(r"\+every(\d+)$")  # the suffix of a method whose probe is decoded once in N events
+
+
+def observe_every(name: str) -> int:
+    """The engine's ``observe_every`` for a method as the eval names it (``+everyN``; 1 without)."""
+    m = EVERY.search(name.partition("@")[0])
+    return int(m.group(1)) if m else 1
 
 
 def split_method(name: str) -> tuple[str, tuple[int | None, int | None], bool]:
@@ -55,6 +65,10 @@ def split_method(name: str) -> tuple[str, tuple[int | None, int | None], bool]:
     if name in KV_BASELINES:
         return "full", KV_BASELINES[name], False
     method, _, cache = name.partition("@")
+    every = EVERY.search(method)
+    if every and int(every.group(1)) < 1:
+        raise ValueError(name)
+    method = EVERY.sub("", method)
     recall = method.endswith(RECALL)
     method = method.removesuffix(RECALL)
     if not (method in EVICTION or method == "full" and not cache and not recall) or (cache and cache not in CACHES):
@@ -149,7 +163,8 @@ class Runner:
     def engine(self, spec: Spec, max_tokens: int) -> Engine:
         method, (type_k, type_v), recall = split_method(spec.method)
         return Engine(self.model, "1" if method == "full" else spec.budget, method, max_tokens=max_tokens,
-                      n_threads=self.n_threads, type_k=type_k, type_v=type_v, recall=recall)
+                      n_threads=self.n_threads, type_k=type_k, type_v=type_v, recall=recall,
+                      observe_every=observe_every(spec.method))
 
     def run(self, spec: Spec, n_items: int | None = None) -> dict:
         """One spec over its task's items -> the record (without the command)."""

@@ -53,7 +53,7 @@ class StateBackend(KVBackend):
         """Write the plan's rows into the cells: kept rows as they are, merged ones combined
         (:meth:`Plan.materialize`), each with its bias (``log(count)``, ``-inf`` for an empty slot)."""
         kv = read.kv
-        k, v, counts, bias = plan.materialize(kv.k, kv.v, read.count, self.basis.k_codec, self.basis.v_codec)
+        k, v, counts, bias = plan.materialize(kv.k, kv.v, read.count, self.basis.k_codec, self.basis.v_codec, dtype=None)
         record = RowRecord.after(plan, read, counts)
         # no bias section at all while every slot holds one plain token
         cell_bias = [b.T for b in bias] if np.any(counts != 1) else None

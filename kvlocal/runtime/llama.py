@@ -37,7 +37,9 @@ class Model:
         self.path = Path(path)
         check_gguf(self.path)
         # refuse what kvlocal cannot score before llama.cpp loads anything
-        self.arch: ArchInfo = arch_info(gguf_meta(read_gguf(self.path)), self.path.name)
+        reader = read_gguf(self.path)
+        self.arch: ArchInfo = arch_info(gguf_meta(reader), self.path.name)
+        self._tensor_names = frozenset(t.name for t in reader.tensors)
         global _NO_PROGRESS
         lib = llama_lib()
         if _NO_PROGRESS is None:
@@ -79,6 +81,20 @@ class Model:
         buf = ctypes.create_string_buffer(4096)
         n = llama_lib().llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
         return buf.value.decode(errors="replace") if n >= 0 else None
+
+    @property
+    def rope_type(self) -> int:
+        """llama.cpp's rotation of q and k (``llama_rope_type``: -1 none, 0 adjacent pairs, 2 NeoX halves, ...)."""
+        return int(llama_lib().llama_model_rope_type(self._ptr))
+
+    @property
+    def rope_freq_scale(self) -> float:
+        """The frequency scale llama.cpp trained positions with (1 / the linear scaling factor)."""
+        return float(llama_lib().llama_model_rope_freq_scale_train(self._ptr))
+
+    def has_tensor(self, name: str) -> bool:
+        """Whether the GGUF file holds a tensor of this name."""
+        return name in self._tensor_names
 
     def desc(self) -> str:
         buf = ctypes.create_string_buffer(256)

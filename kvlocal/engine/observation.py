@@ -1,0 +1,95 @@
+"""One probe decode, several compression events: the probe's queries moved to new positions by RoPE.
+
+Every compression event is scored by the queries of the probe (docs/engine.md, "Where the observation
+window comes from"), and decoding the probe after every prefill chunk is the largest part of what
+compression costs (~12% of prefill at 8K on SmolLM2). A captured query is its pre-RoPE vector turned by
+its position: ``q(p) = R(p)·q̃``. The same probe decoded ``Δ`` positions later would give ``R(p+Δ)·q̃'``,
+where ``q̃'`` differs from ``q̃`` only through what the cache now holds (the probe's hidden states attend
+to it). :class:`Observations` keeps the latest decoded queries and serves the next events with
+``R(Δ)·q(p)`` — exact in position, stale by the chunks read since — and decodes the probe again every
+``observe_every`` events and for the event that ends a prompt (the cache generation starts from).
+
+:class:`Rope` is the rotation of the compressed (full-attention) layers as llama.cpp applies it: pair
+``i`` of the first ``n_rot`` dimensions — adjacent ``(x[2i], x[2i+1])`` for ``norm``, ``(x[i],
+x[i+n_rot/2])`` for ``neox`` — turns by ``p · freq_scale · base^(-2i/n_rot)``. Where llama.cpp does more
+than that (YaRN's ramp, LongRoPE, per-dimension frequency factors), :meth:`Rope.of` returns None and
+every event decodes its probe. ``tests/test_observation.py`` checks the rotation against llama.cpp's own
+queries of the same tokens decoded at two positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+ROPE_NORM, ROPE_NEOX = 0, 2  # llama_rope_type
+
+
+@dataclass(frozen=True)
+class Rope:
+    kind: str  # "norm" (adjacent pairs) or "neox" (halves)
+    n_rot: int  # rotated dimensions per head (the rest pass through)
+    base: float
+    freq_scale: float
+
+    @classmethod
+    def of(cls, model) -> "Rope | None":
+        """The rotation of ``model``'s full-attention layers, or None where kvlocal cannot reproduce it."""
+        arch = model.arch.arch
+        kind = {ROPE_NORM: "norm", ROPE_NEOX: "neox"}.get(model.rope_type)
+        scaling = model.meta(f"{arch}.rope.scaling.type") or "linear"
+        if kind is None or scaling not in ("none", "linear") or model.has_tensor("rope_freqs.weight"):
+            return None
+        n_rot = int(model.meta(f"{arch}.rope.dimension_count") or model.arch.head_dim_k)
+        base = float(model.meta(f"{arch}.rope.freq_base") or 10000.0)
+        return cls(kind, n_rot, base, model.rope_freq_scale)
+
+    def rotate(self, x: np.ndarray, delta: int) -> np.ndarray:
+        """``x [..., d]`` (post-RoPE vectors) turned ``delta`` positions further."""
+        half = self.n_rot // 2
+        theta = delta * self.freq_scale * self.base ** (-np.arange(half, dtype=np.float64) * 2 / self.n_rot)
+        cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+        out = np.array(x, dtype=np.float32, copy=True)
+        if self.kind == "norm":
+            x0, x1 = x[..., 0:self.n_rot:2], x[..., 1:self.n_rot:2]
+            out[..., 0:self.n_rot:2], out[..., 1:self.n_rot:2] = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+        else:
+            x0, x1 = x[..., :half], x[..., half:self.n_rot]
+            out[..., :half], out[..., half:self.n_rot] = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+        return out
+
+
+class Observations:
+    """The latest decoded probe's queries, served to later events at their positions (module docstring).
+
+    ``every``: events one decode serves (1: decode the probe for each, the exact observation)."""
+
+    def __init__(self, rope: Rope | None, every: int = 1):
+        self.rope, self.every = rope, max(1, int(every)) if rope is not None else 1
+        self.decoded = self.reused = 0  # events scored by a fresh decode / by moved queries
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop the kept queries (positions moved, the cache restored, a new question)."""
+        self._probe: tuple[int, ...] | None = None
+        self._q: list[np.ndarray] | None = None
+        self._pos0 = 0
+        self._served = 0
+
+    def keep(self, probe, q: list[np.ndarray], q_pos: np.ndarray) -> None:
+        """A fresh decode of ``probe``: queries ``q`` (per compressed layer ``[Hq, w, d]``) at ``q_pos``."""
+        self._probe, self._q, self._pos0, self._served = tuple(probe), q, int(q_pos[0]), 1
+        self.decoded += 1
+
+    def needs_decode(self, probe) -> bool:
+        """Whether the next event with ``probe`` must decode it (nothing kept for it, or it served its share)."""
+        return self._q is None or self._probe != tuple(probe) or self._served >= self.every
+
+    def moved(self, p0: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """The kept queries moved to positions ``p0, p0+1, ...`` (call only when not :meth:`needs_decode`)."""
+        delta = p0 - self._pos0
+        q = [self.rope.rotate(qi, delta) for qi in self._q]
+        self._served += 1
+        self.reused += 1
+        return q, np.arange(p0, p0 + q[0].shape[1])

@@ -1,0 +1,74 @@
+"""A probe's queries moved by RoPE (kvlocal/engine/observation.py), against llama.cpp's own queries.
+
+In a fresh context a batch attends only to itself, and attention depends only on relative positions, so the
+same tokens decoded at positions ``p`` and ``p + Δ`` have the same pre-RoPE queries in every layer: the
+captured post-RoPE queries must differ by exactly the rotation ``R(Δ)`` that :class:`Rope` computes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvlocal.engine import Engine
+from kvlocal.engine.observation import Rope
+from kvlocal.runtime import Context
+from kvlocal.runtime.capture import QueryCapture
+
+TEXT = "The harbour master wrote the names of the seven ships in a green ledger before the storm."
+
+
+def _queries_at(model, ctx, cap, toks, p0):
+    cap.arm(len(toks))
+    try:
+        ctx.decode(toks, list(range(p0, p0 + len(toks))), "none")
+    finally:
+        cap.disarm()
+    ctx.remove(0, -1)
+    return cap.take()
+
+
+@pytest.mark.parametrize("fixture", ["smollm2_model", "qwen_model", "gemma3_model"])
+def test_moved_queries_are_llama_cpp_queries_at_the_new_positions(fixture, request):
+    """Exact where the hidden states are (layer 0 of SmolLM2 and Qwen: the queries depend on the token only);
+    deeper, the batch's own attention over its rotated keys rounds differently, and the moved queries stay
+    within a quarter of the error that not moving them makes."""
+    model = request.getfixturevalue(fixture)
+    rope = Rope.of(model)
+    assert rope is not None and rope.kind == ("norm" if model.arch.arch == "llama" else "neox")
+    cap = QueryCapture.for_model(model)
+    ctx = Context(model, 768 if model.arch.has_swa else 256, cb_eval=cap.callback)
+    toks = model.tokenize(TEXT, add_special=False)[:12]
+    first = _queries_at(model, ctx, cap, toks, 0)
+    for delta in (173, 4000):
+        later = _queries_at(model, ctx, cap, toks, delta)
+        for il, q0, q1 in zip(cap.layers, first, later):
+            scale = np.abs(q1).max()
+            moved = np.abs(rope.rotate(q0, delta) - q1).max() / scale
+            unmoved = np.abs(q0 - q1).max() / scale
+            if il == 0:  # float32 angles in llama.cpp: ~1e-4 relative at 4K positions
+                assert moved < 1e-3, (fixture, delta, moved)
+            assert moved < 0.25 * unmoved, (fixture, delta, il, moved, unmoved)
+
+
+def test_events_between_probe_decodes_use_moved_queries(smollm2_model):
+    """observe_every=4 decodes the probe for one event in four (and for the prompt's last one); the kept
+    sets stay close to those of a probe decoded for every event, and differ (in layer 0 the queries depend on
+    the tokens alone, so moving them is exact there; deeper, they were computed over an older cache)."""
+    from kvlocal.cli.bench import long_text
+
+    toks = long_text(smollm2_model, 2000)
+    probe = smollm2_model.tokenize("\n\nWhat does the text say about patents?", add_special=False)
+    kept = {}
+    for every in (1, 4):
+        eng = Engine(smollm2_model, 256, "criticalkv", max_tokens=len(toks) + 8, observe_every=every, backend="state")
+        eng.prefill(toks, probe=probe)
+        s = eng.stats
+        e = s.compression_events
+        assert e > 6 and eng.observations.decoded + s.observations_moved == e
+        # decoded for events 0, every, 2·every, ... and for the prompt's last one, whatever its turn
+        assert e - s.observations_moved == len(range(0, e, every)) + ((e - 1) % every > 0)
+        t = eng.kv.record.true  # [layer, head, cell] source positions
+        kept[every] = {(il, h, int(p)) for il, h, c in zip(*np.nonzero(t >= 0)) for p in [t[il, h, c]]}
+    jaccard = len(kept[1] & kept[4]) / len(kept[1] | kept[4])
+    assert 0.6 < jaccard < 1.0, jaccard
