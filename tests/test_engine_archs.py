@@ -121,6 +121,7 @@ class RecordingEngine(Engine):
 
     def __init__(self, *args, inputs_of: int = -1, **kwargs):
         kwargs.setdefault("backend", "state")  # it records the K/V rows the scorers read on the host
+        kwargs.setdefault("observe_every", 1)  # every event decodes its probe: what the reference recomputes
         super().__init__(*args, **kwargs)
         self.events: list[Event] = []
         self.phase = "prefill"
@@ -319,7 +320,9 @@ class Runs:
         a = self.arch(arch)
         t0 = time.perf_counter()
         model, ref, tokens = a["model"], a["ref"], a["tokens"]
-        eng = RecordingEngine(model, BUDGET, method, max_tokens=len(tokens), chunk=CHUNK, recent=WINDOW,
+        # head budgets share the cells: twice BUDGET of them give each head a mean of BUDGET entries
+        cells = 2 * BUDGET if method in HEAD_BUDGETS else BUDGET
+        eng = RecordingEngine(model, cells, method, max_tokens=len(tokens), chunk=CHUNK, recent=WINDOW,
                               n_sink=N_SINK, n_threads=THREADS, inputs_of=INPUTS_EVENT)
         eng.prefill(a["prompt"], probe=a["prompt"][-WINDOW:])
         forced = Forced(a["cont"])

@@ -178,7 +178,7 @@ def test_gemma3_engine_compresses_the_full_attention_cache(gemma3_model, gpl_tex
     continuation of the text closer to the full cache than StreamingLLM does at the same budget."""
     m = gemma3_model
     toks = m.tokenize(gpl_text)
-    prompt, forced = toks[:1200], toks[1200:1264]
+    prompt, forced = toks[:1200], toks[1200:1232]
     cap = len(prompt) + len(forced)
     full = _forced_logits(Engine(m, 1.0, method="full", max_tokens=cap, n_threads=THREADS), prompt, forced)
     eng = Engine(m, 300, method="criticalkv", max_tokens=cap, n_threads=THREADS)

@@ -254,8 +254,10 @@ def test_native_and_state_recall_the_same_rows(tiny, arch):
     tokens = model.tokenize(sample_text())
     engines = {}
     for backend in ("native", "state"):
+        # observe_every=1: with moved queries the gemma3 run meets a near-tie the two backends' float sums break
+        # differently (493 vs 494 rows out, measured); this test is about which rows cross, not the observation
         eng = Engine(model, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, n_threads=THREADS, backend=backend,
-                     type_k=0, type_v=0, recall=True)
+                     type_k=0, type_v=0, recall=True, observe_every=1)
         eng.prefill(tokens[:500], probe=tokens[500:516])
         eng.prefill_bytes, eng.prefill_rows_out = eng.kv.host_kv_bytes, eng.tier.rows_out
         back = eng.recall(tokens[600:620])

@@ -81,6 +81,9 @@ class AdaKV(Scorer):
     def max_slots(self, budget: int) -> int:
         return int(self.max_share * budget)
 
+    def budget_for_cells(self, cells: int) -> int:
+        return int(cells // self.max_share)
+
     def keep(self, layer: LayerInputs, budget: int) -> np.ndarray:
         scores = self.press.score(layer)
         budgets = head_budgets(scores, budget, layer.pos, layer.live, self.alpha_safeguard, self.max_share)

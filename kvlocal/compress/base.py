@@ -20,7 +20,8 @@ The contract, documented once:
     head for a uniform budget; a head that keeps fewer than ``B`` has ``-1`` (empty) in its first slots.
 ``max_slots(budget) -> int``
     The most cells a plan at ``budget`` may need (what an engine allocates): ``budget``, or more for
-    head budgets (AdaKV: ``int(max_share * budget)``).
+    head budgets (AdaKV: ``int(max_share * budget)``). ``budget_for_cells(cells)`` is its inverse: the
+    per-head budget an engine plans with so that a ``--budget`` of cells is the memory every method uses.
 ``plan_layer(layer, budget) -> LayerPlan``
     The layer's part of the plan (:class:`~kvlocal.compress.plan.LayerPlan`): kept cells, counts and
     merges. The default wraps :meth:`keep`; merging methods (KVSlimmer) override it.
@@ -384,6 +385,10 @@ class Scorer:
     def max_slots(self, budget: int) -> int:
         """The most slots (cells) a plan at ``budget`` may have: the budget, unless heads share it unevenly."""
         return int(budget)
+
+    def budget_for_cells(self, cells: int) -> int:
+        """The largest per-head budget whose plans fit in ``cells`` slots (the inverse of :meth:`max_slots`)."""
+        return int(cells)
 
     def plan_layer(self, layer: LayerInputs, budget: int) -> LayerPlan:
         """:meth:`keep` as a :class:`LayerPlan`; the kept rows' counts are carried where any is not 1."""

@@ -130,12 +130,15 @@ class Engine:
         self.bytes_per_value = (bytes_per_value(type_k) + bytes_per_value(type_v)) / 2  # of K and V, for the formulas
         # the scorers compute q·k/√d; the model's logits are q·k·attn_scale: scale the queries once
         self._q_scale = np.float32(m.arch.attn_scale * math.sqrt(self.head_dim))
-        floor = n_sink + recent
-        # a budget above what the session may see is just the full cache
+        floor = self.scorer.max_slots(n_sink + recent)  # every head's share holds the sinks and the recent span
+        # the budget is memory, for every method: the cells a compression may leave (a budget above what the
+        # session may see is just the full cache)
         self.budget_cells = max_tokens if method == "full" else min(budget.cells_for(max_tokens, floor), max_tokens)
-        # the cells a compression may leave: the budget, or more where heads share it unevenly (AdaKV:
-        # a layer's cells hold its widest head, the others' surplus slots are masked out by a -inf bias)
-        self.slot_cells = min(self.scorer.max_slots(self.budget_cells), max_tokens)
+        # each head's mean share of them: all of them, or less where heads share the cells unevenly (AdaKV: a
+        # layer's cells hold its widest head, up to max_share × the mean; the others' surplus slots are masked
+        # out by a -inf bias)
+        self.head_budget = self.budget_cells if method == "full" else self.scorer.budget_for_cells(self.budget_cells)
+        self.slot_cells = min(self.scorer.max_slots(self.head_budget), max_tokens)
         self._settled = self.budget_cells  # cells right after the latest compression (the budget before any)
         self._wo = output_projections(str(m.path)) if self.scorer.needs_wo else None
         # llama.cpp pads n_ctx (to 256 cells here); prefill chunks then fill whatever is free, so the
@@ -322,9 +325,9 @@ class Engine:
         """Never evict the first ``n`` tokens of the session (a system prompt, tool definitions): they are
         protected like attention sinks by every method, count in the budget and stay first when positions
         move back. UsageError, naming the fix, when they and the recent span do not fit the budget."""
-        if self.cfg.method != "full" and n + self.cfg.recent > self.budget_cells:
+        if self.cfg.method != "full" and n + self.cfg.recent > self.head_budget:
             raise UsageError(f"the system prompt takes {n:,} tokens, which are never evicted; with the {self.cfg.recent} "
-                             f"most recent ones they do not fit the budget's {self.budget_cells:,} cells: raise --budget "
+                             f"most recent ones they do not fit the budget's {self.head_budget:,} cells per head: raise --budget "
                              f"or shorten the system prompt")
         self.stats.kv_cells_pinned = n
 
@@ -495,7 +498,7 @@ class Engine:
         q, q_pos = self._observe(probe)
         w = observation_window(self.scorer) or len(probe)
         cands = choose_candidates(self.tier, [self.basis.queries(qi[:, -w:] * self._q_scale) for qi in q],
-                                  int(self.recall_candidates * self.budget_cells))
+                                  int(self.recall_candidates * self.head_budget))
         if cands.width == 0:
             return 0
         before = self.tier.rows_in
@@ -512,7 +515,7 @@ class Engine:
         inputs = self.kv.layer_inputs(read, [qi * self._q_scale for qi in q], q_pos,
                                       n_sink=max(self.cfg.n_sink, self.stats.kv_cells_pinned),
                                       recent=self.cfg.recent, window_size=observation_window(self.scorer))
-        plan = plan_layers(self.scorer, inputs, self.budget_cells)
+        plan = plan_layers(self.scorer, inputs, self.head_budget)
         self.last_plan = plan
         return plan
 
