@@ -35,7 +35,7 @@ def test_frontier_refuses_contexts_past_the_trained_one(smollm2):
 def test_overhead_compares_the_levers_side_by_side(smollm2):
     """``--overhead``: each --chunks × --observe-every run reads the same prompt; observing once in three
     decodes the probe for fewer of the same events (the prompt's last one always)."""
-    r = run_cli("bench", str(smollm2), "--overhead", "--long", "1100", "--budget", "160", "--chunks", "64",
+    r = run_cli("bench", str(smollm2), "--overhead", "--long", "700", "--budget", "100", "--chunks", "64",
                 "--observe-every", "1", "3", "--decode", "1", "-t", "2", "--json")
     assert r.returncode == 0, r.stderr
     full, *rows = json.loads(r.stdout)["overhead"]

@@ -235,10 +235,11 @@ def test_native_and_state_keep_identical_sets_on_tiny_f32_models(tiny, arch):
     # criticalkv covers snapkv (its first stage) and criticalkv+adakv covers adakv's head budgets (-inf slots)
     for method in ("streaming", "criticalkv", "criticalkv+adakv"):
         # 200 generated tokens fill the 176 cells of slack: a decode-time event after the prefill's
-        native, r_native = run_engine(model, "native", method, tokens, 64, n_gen=200, chunk=32, recent=16)
-        state, r_state = run_engine(model, "state", method, tokens, 64, n_gen=200, chunk=32, recent=16)
+        cells = 128 if "adakv" in method else 64  # head budgets share the cells: a mean of 64 per head
+        native, r_native = run_engine(model, "native", method, tokens, cells, n_gen=200, chunk=32, recent=16)
+        state, r_state = run_engine(model, "state", method, tokens, cells, n_gen=200, chunk=32, recent=16)
         assert native.backend == "native" and state.backend == "state"
-        assert native.stats.compression_events == state.stats.compression_events > native.prefill_events > 3, method
+        assert native.stats.compression_events == state.stats.compression_events > native.prefill_events > 2, method
         for a, b in ((native.prompt_plan, state.prompt_plan), (native.last_plan, state.last_plan)):
             assert np.array_equal(a.positions, b.positions), (arch, method)
         assert r_native == r_state, (arch, method)

@@ -71,6 +71,8 @@ def run(args) -> int:
         raise UsageError(f"-t/--threads {args.threads}: give at least 1 (default: the cores, at most 8)")
     if args.n_gpu_layers < -1:
         raise UsageError(f"-ngl/--n-gpu-layers {args.n_gpu_layers}: give a number of layers, 0 for none or -1 for all")
+    if args.overhead and (min(args.chunks) < 1 or min(args.observe_every) < 1):
+        raise UsageError("--chunks and --observe-every: give whole numbers of at least 1")
     model = Model(args.model_path, n_gpu_layers=args.n_gpu_layers)
     if args.recall_cost or args.frontier:
         if any(n < 256 for n in args.contexts):
@@ -80,8 +82,6 @@ def run(args) -> int:
                              f"give lengths up to that")
         return run_recall_cost(args, model) if args.recall_cost else run_frontier(args, model)
     if args.overhead:
-        if min(args.chunks) < 1 or min(args.observe_every) < 1:
-            raise UsageError("--chunks and --observe-every: give whole numbers of at least 1")
         return run_overhead(args, model)
     backends = args.backends or default_backends(args.method)
     long = long_text(model, args.long)
