@@ -550,6 +550,7 @@ def test_cli_rejects_bad_input_with_one_line(smollm2, prompt_file):
         "below the floor": (["--budget", "20"], "floor"),
         "unknown method": (["--method", "nope"], "unknown compression method"),
         "prompt over -c": (["-c", "100"], "-c"),
+        "observe-every 0": (["--observe-every", "0"], "--observe-every 0: give at least 1"),
     }
     with ThreadPoolExecutor(2) as pool:
         results = dict(zip(cases, pool.map(lambda args: run_cli(*base, *args[0]), cases.values())))
