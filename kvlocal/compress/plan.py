@@ -254,7 +254,6 @@ class Plan:
         """
         n_layer, hkv, width = self.keep.shape
         heads = np.arange(hkv)[:, None]
-        rows_of = np.arange(hkv)[None, :]  # gathers straight into cell-major [B, Hkv, ...]
         k_out, v_out = [], []
         counts_out = np.zeros((n_layer, hkv, width), dtype=np.int64)
         for il in range(n_layer):
@@ -263,7 +262,7 @@ class Plan:
             keep = self.keep[il]
             filled = keep >= 0
             idx = np.maximum(keep, 0)
-            ko, vo = kl[idx.T, rows_of], vl[idx.T, rows_of]  # [B, Hkv, d or bytes]
+            ko, vo = kl[idx.T, heads.T], vl[idx.T, heads.T]  # gathered cell-major: [B, Hkv, d or bytes]
             if dtype is not None:
                 ko = ko if k_codec else ko.astype(dtype, copy=False)
                 vo = vo if v_codec else vo.astype(dtype, copy=False)

@@ -67,7 +67,7 @@ class Observations:
 
     def __init__(self, rope: Rope | None, every: int = 1):
         self.rope, self.every = rope, max(1, int(every)) if rope is not None else 1
-        self.decoded = self.reused = 0  # events scored by a fresh decode / by moved queries
+        self.decoded = 0  # decodes kept (the engine counts the moved ones: EngineStats.observations_moved)
         self.forget()
 
     def forget(self) -> None:
@@ -91,5 +91,4 @@ class Observations:
         delta = p0 - self._pos0
         q = [self.rope.rotate(qi, delta) for qi in self._q]
         self._served += 1
-        self.reused += 1
         return q, np.arange(p0, p0 + q[0].shape[1])
