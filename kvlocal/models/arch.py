@@ -101,18 +101,14 @@ def arch_info(meta: Callable[[str], str | None], name: str = "the model") -> Arc
     return ArchInfo(arch, n_layer, n_head, n_head_kv, n_embd, head_k, head_v, scale, n_swa, swa)
 
 
-def gguf_meta(reader) -> Callable[[str], str | None]:
-    """A ``meta`` function over a gguf-py ``GGUFReader`` (scalars as text, arrays as ``[a, b]``)."""
+def gguf_meta(header) -> Callable[[str], str | None]:
+    """A ``meta`` function over a :class:`~kvlocal.models.gguf_header.GGUFHeader` (scalars as text, arrays as
+    ``[a, b]``)."""
 
     def meta(key: str) -> str | None:
-        field = reader.fields.get(key)
-        if field is None or not field.data:
+        value = header.get(key)
+        if value is None or value == []:
             return None
-        vals = [field.parts[i] for i in field.data]
-        text = [bytes(v).decode(errors="replace") if v.dtype.kind == "u" and len(field.types) and field.types[-1].name == "STRING"
-                else str(v[0].item()) for v in vals]
-        if len(field.types) and field.types[0].name == "ARRAY":
-            return "[" + ", ".join(text) + "]"
-        return text[0]
+        return "[" + ", ".join(str(v) for v in value) + "]" if isinstance(value, list) else str(value)
 
     return meta

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from kvlocal.errors import UsageError
+from kvlocal.models.gguf_header import HeaderError, read_header
 
 GGUF_MAGIC = b"GGUF"
 
@@ -27,10 +28,9 @@ def check_gguf(path: str | os.PathLike) -> Path:
 
 
 def read_gguf(path: str | os.PathLike):
-    """The ``GGUFReader`` of a complete GGUF file, shared by everything that reads it in this process.
-
-    Parsing the header takes seconds for a 49K-token vocabulary in gguf-py, so it is done once per file
-    version; raises UsageError naming the problem for a missing, foreign, damaged or truncated file."""
+    """The header (:class:`~kvlocal.models.gguf_header.GGUFHeader`: metadata, tensor infos and data) of a
+    complete GGUF file, shared by everything that reads it in this process (parsed once per file version);
+    raises UsageError naming the problem for a missing, foreign, damaged or truncated file."""
     path = Path(path)
     if not path.is_file():
         check_gguf(path)  # raises: missing, a directory, not a regular file
@@ -62,12 +62,10 @@ def _read_complete(path: Path, size: int, mtime_ns: int):
     if magic != GGUF_MAGIC:
         raise UsageError(f"{path} is not a GGUF file (it starts with {magic!r}); convert it with llama.cpp's convert_hf_to_gguf.py or pick a .gguf file")
     try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path)
-        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on damaged headers
-        raise UsageError(f"{path} is a damaged or truncated GGUF file ({type(e).__name__}); download it again") from None
+        header = read_header(path)
+    except HeaderError as e:
+        raise UsageError(f"{path} is a damaged or truncated GGUF file ({e}); download it again") from None
+    end = max((t.data_offset + t.n_bytes for t in header.tensors), default=0)
     if end > size:
         raise UsageError(f"{path} is truncated ({size} of {end} bytes); download it again (`kvlocal pull --force`)")
-    return reader
+    return header

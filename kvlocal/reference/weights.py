@@ -1,7 +1,8 @@
 """GGUF → hyperparameters and float32 torch weights for the reference model.
 
-Tensors are read with gguf's own ``GGUFReader`` and dequantized with gguf's own
-``gguf.quants.dequantize``: the reference must not carry a second implementation of the block formats.
+Tensors are found by kvlocal's GGUF header reader (:mod:`kvlocal.models.gguf_header`, checked against
+gguf-py's ``GGUFReader`` by the tests) and dequantized with gguf's own ``gguf.quants.dequantize``: the
+reference must not carry a second implementation of the block formats.
 
 Shape order: GGUF lists a tensor's dimensions as ggml's ``ne`` — fastest-varying first — so a linear
 layer from ``n_embd`` to ``n_ff`` is ``[n_embd, n_ff]`` in GGUF and ``[n_ff, n_embd]`` (out, in) in numpy
@@ -79,12 +80,8 @@ class ModelArgs:
 # -- metadata ----------------------------------------------------------------------------------
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
+def _field(header, key: str, default=None):
+    return header.get(key, default)
 
 
 def _int_field(reader, key: str, default=None, path: Path | None = None) -> int:
@@ -184,7 +181,7 @@ def dequantize_tensor(tensor, path: Path | None = None) -> torch.Tensor:
 
 
 def open_gguf(path: str | os.PathLike):
-    """(path, GGUFReader) of a complete GGUF file; the reader is the process-wide one of
+    """(path, GGUFHeader) of a complete GGUF file; the header is the process-wide one of
     :func:`kvlocal.models.gguf_file.read_gguf` (parsed once), and every error message is check_gguf's."""
     return Path(path), gguf_file.read_gguf(path)
 
