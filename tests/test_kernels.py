@@ -42,6 +42,19 @@ def test_topk_matches_numpy(k):
     np.testing.assert_array_equal(got, want)
 
 
+def test_topk_of_every_size_with_ties_infinities_and_nan():
+    """Every k of a row with many ties, +-inf and NaN: the kernel selects the k best when k <= n/2 and drops
+    the n-k worst otherwise; both must be numpy's stable ranking (NaN last, ties to the lower index)."""
+    rng = np.random.default_rng(7)
+    x = rng.integers(-3, 4, (3, 41)).astype(np.float32)
+    x[:, [2, 9]], x[:, [5, 30]], x[:, [11, 40]] = np.inf, -np.inf, np.nan
+    # numpy's ranking: NaN after every number (-inf included), then larger first, then the lower index
+    rank = np.stack([np.lexsort((np.arange(41), np.nan_to_num(-row, nan=0), np.isnan(row))) for row in x])
+    for k in range(42):
+        want = np.sort(rank[:, :k], axis=-1)
+        np.testing.assert_array_equal(kernels.topk(x, k), want, err_msg=f"k={k}")
+
+
 def test_topk_ties_prefer_lower_index_and_nan_last():
     x = np.array([[1.0, 2.0, 2.0, np.nan, 2.0, 0.5]], np.float32)
     np.testing.assert_array_equal(kernels.topk(x, 2), [[1, 2]])

@@ -128,3 +128,34 @@ def test_levels_agree_closely():
         kernels.simd_level(_BEST)
     for lv in LEVELS:
         np.testing.assert_allclose(out[lv], out[LEVELS[0]], rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("d", [64, 13])  # a whole number of F16C vectors, and a scalar tail
+def test_f16_heads_is_numpys_conversion_bit_for_bit(level, d):
+    """Every half-float bit pattern (normals, subnormals, zeros, infinities, NaN), from cells [n, H, d] to
+    heads [H, n, d]: the same float32 bits as numpy's conversion."""
+    bits = np.arange(65536, dtype=np.uint16)
+    n = len(bits) // (2 * d) + 1
+    cells = np.resize(bits, (n, 2, d)).view(np.float16)
+    got = kernels.f16_heads_f32(cells.transpose(1, 0, 2))
+    want = np.ascontiguousarray(cells.transpose(1, 0, 2), dtype=np.float32)
+    assert got.flags.c_contiguous and got.shape == (2, n, d)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    assert np.array_equal(got[~np.isnan(got)].view(np.uint32), want[~np.isnan(want)].view(np.uint32))
+
+
+def test_bench_kernels_times_every_step(capsys):
+    """tools/bench_kernels (the C kernels against numpy, step by step) runs and prints every step."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tools import bench_kernels
+
+    bench_kernels.main(["--layers", "2", "--n", "300", "--budget", "128", "--repeat", "1"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.rstrip().endswith("x")]
+    assert [r[:56].strip() for r in rows] == [name for name, _ in bench_kernels.steps(128)]
+    bench_kernels.main(["--layers", "2", "--n", "300", "--budget", "128", "--repeat", "1", "--plan"])
+    out = capsys.readouterr().out
+    assert all(f"\n{m} " in out for m in bench_kernels.PLAN_METHODS), out

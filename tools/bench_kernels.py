@@ -7,8 +7,8 @@
 Random inputs of a real model's shapes (the timings do not depend on the values). Each step is timed
 per layer (median over layers and repeats) and for all layers (median over repeats); "numpy" replaces
 the two scoring kernels (:func:`kvlocal.compress.kernels.window_votes`, :func:`kvlocal.compress.kernels.vnorm_l1`) by
-their readable numpy definitions (:mod:`kvlocal.compress.numpy_kernels`); pooling and top-k stay native
-in both. The two alternate layer by layer, so the ratio holds on a busy machine. numpy's BLAS may use
+their readable numpy definitions (:mod:`kvlocal.compress.numpy_kernels`) and the F16 cache's conversion
+(:func:`kvlocal.compress.kernels.f16_heads_f32`) by numpy's; pooling and top-k stay native in both. The two alternate layer by layer, so the ratio holds on a busy machine. numpy's BLAS may use
 several threads: set ``OPENBLAS_NUM_THREADS=1`` on a machine shared with other work.
 """
 
@@ -40,15 +40,21 @@ def make_layers(n_layer: int, n: int, n_head: int, n_kv: int, d: int, big_d: int
     ]
 
 
+def numpy_f16_heads(x: np.ndarray) -> np.ndarray:
+    """numpy's conversion of half-float rows [H, n, d] (a transposed view of the cells) to float32."""
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
 @contextlib.contextmanager
 def numpy_definitions():
-    """Swap the two scoring kernels for their numpy definitions."""
-    saved = kernels.window_votes, kernels.vnorm_l1
+    """Swap the two scoring kernels and the F16 conversion for their numpy definitions."""
+    saved = kernels.window_votes, kernels.vnorm_l1, kernels.f16_heads_f32
     kernels.window_votes, kernels.vnorm_l1 = numpy_kernels.window_votes, numpy_kernels.vnorm_l1
+    kernels.f16_heads_f32 = numpy_f16_heads
     try:
         yield
     finally:
-        kernels.window_votes, kernels.vnorm_l1 = saved
+        kernels.window_votes, kernels.vnorm_l1, kernels.f16_heads_f32 = saved
 
 
 def timed(fn, layers, repeat: int, clock=time.perf_counter) -> dict[str, tuple[float, float]]:
@@ -88,12 +94,18 @@ def steps(budget: int):
         b = np.full(layer.n_kv, min(budget, layer.n))
         return crit.rerank(layer, scores, b)
 
-    cache = {}
+    cache, cells = {}, {}
+
+    def f16_keys(layer):  # an F16 cache's cells [n, Hkv, d] as the scorers take them, [Hkv, n, d] float32
+        if layer.layer not in cells:
+            cells[layer.layer] = np.ascontiguousarray(layer.k.transpose(1, 0, 2), dtype=np.float16)
+        kernels.f16_heads_f32(cells[layer.layer].transpose(1, 0, 2))
 
     def score(layer):
         cache[layer.layer] = snap.score(layer)
 
     return [
+        ("F16 cells -> float32 keys [Hkv, n, d]", f16_keys),
         ("window votes [Hq, n]", votes),
         ("SnapKV score (votes + pool + group mean)", score),
         ("select: top-k + sort by position", lambda layer: select(cache[layer.layer], budget, layer.pos)),
@@ -140,9 +152,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.simd:
         kernels.simd_level(args.simd)
-    layers = make_layers(args.layers, args.n, args.heads[0], args.heads[1], args.head_dim, args.hidden, args.recent)
+    layers = make_layers(args.layers, args.n, args.heads[0], args.heads[1], args.head_dim, args.hidden, args.window)
     print(f"{args.layers} layers, n={args.n}, budget={args.budget}, Hq/Hkv={args.heads[0]}/{args.heads[1]}, "
-          f"d={args.head_dim}, D={args.hidden}, w={args.recent}; kernels: {kernels.simd_level()}; {args.clock} clock")
+          f"d={args.head_dim}, D={args.hidden}, w={args.window}; kernels: {kernels.simd_level()}; {args.clock} clock")
     if not native_scoring():
         print("(at this level the scorers use numpy: only the two kernel rows compare C with numpy)")
     clock = time.perf_counter if args.clock == "wall" else time.process_time

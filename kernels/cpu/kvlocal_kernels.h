@@ -11,7 +11,7 @@ void kvl_pool1d_f32(const float * src, float * dst, int n_rows, int n, int kerne
 
 /* Per-row top-k: writes the indices of the k largest values of each row to idx [n_rows, k], in
  * increasing index order (the order cells are kept in). Ties are broken towards the lower index.
- * NaN counts as smaller than every number. Returns 0, or -1 if k > n or k < 0. */
+ * NaN counts as smaller than every number. Returns 0, or -1 if k > n or k < 0 or when out of memory. */
 int kvl_topk_f32(const float * src, int n_rows, int n, int k, int * idx);
 
 /* Window attention votes (SnapKV scoring). q [n_head, w, d] window queries after RoPE with positions
@@ -36,6 +36,10 @@ int kvl_vnorm_l1_f32(const float * v, int n, int d, const float * wo, int ld, in
  * taken [m] is scratch; out [min(n_pairs, m/2)] receives the chosen pair indices in the order taken.
  * Returns how many were taken (fewer than n_pairs when the rows run out), or -1 on bad input. */
 int kvl_greedy_pairs(const int * order, int m, int n_pairs, unsigned char * taken, int * out);
+
+/* Half-precision rows regrouped by head: src [n][n_head][d] IEEE half floats (an F16 KV cache's cells),
+ * dst [n_head][n][d] float32. Exact; F16C where the CPU has it (and kvl_simd_level allows AVX2). */
+void kvl_f16_heads_f32(const unsigned short * src, int n, int n_head, int d, float * dst);
 
 /* Instruction set of the scoring kernels above: 0 generic (SSE2 / NEON / scalar), 1 AVX2+FMA,
  * 2 AVX-512; the widest the CPU supports is used. cap >= 0 limits it (tests and benchmarks compare the

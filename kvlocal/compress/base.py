@@ -37,6 +37,8 @@ These are the conventions of the PyTorch reference (``kvlocal.reference.compress
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
@@ -264,6 +266,14 @@ def vnorm_l1(v, wo, first_head, n_group, rows=None) -> np.ndarray:
     return (kernels.vnorm_l1 if native_scoring() else numpy_kernels.vnorm_l1)(v, wo, first_head, n_group, rows)
 
 
+def as_f32(rows: np.ndarray) -> np.ndarray:
+    """``rows`` as a C-contiguous float32 array: half floats [H, n, d] by :func:`kernels.f16_heads_f32` where
+    that is faster (:func:`native_scoring`), anything else by numpy. Exact either way."""
+    if rows.dtype == np.float16 and rows.ndim == 3 and native_scoring():
+        return kernels.f16_heads_f32(rows)
+    return np.ascontiguousarray(rows, dtype=np.float32)
+
+
 def order_by_pos(pos: np.ndarray, n_kv: int, descending: bool = False) -> np.ndarray:
     """``[n_kv, n]`` cell indices in position order per head (stable); ``pos``: [n] (sorted once) or [n_kv, n]."""
     order = np.argsort(-pos if descending else pos, axis=-1, kind="stable")
@@ -404,15 +414,27 @@ def kept_counts(layer: LayerInputs, keep: np.ndarray) -> np.ndarray | None:
     return np.where(keep >= 0, np.take_along_axis(counts, np.maximum(keep, 0), axis=1), 0)
 
 
-def plan_layers(scorer: Scorer, layers: Iterable[LayerInputs], budget: int) -> Plan:
+def plan_layers(scorer: Scorer, layers: Iterable[LayerInputs], budget: int, workers: int = 1) -> Plan:
     """The :class:`~kvlocal.compress.plan.Plan` of one compression event: ``scorer.plan_layer`` for every layer.
 
     ``B`` is the most entries any head of any layer keeps (``<= budget`` for uniform methods, ``<=
     int(max_share * budget)`` for AdaKV); heads with fewer get empty slots in front. ``layers`` may be
-    a generator: one layer's inputs at a time are held (only their positions are kept).
+    a generator: at most ``workers`` layers' inputs are held at a time (only their positions are kept).
+    ``workers > 1`` plans that many layers at once on threads — the C kernels release the GIL, so one
+    layer's kernels run while another's numpy work does; layers are independent, so the plan is the same.
     """
     plans, positions = [], []
-    for layer in layers:
-        plans.append(scorer.plan_layer(layer, budget))
-        positions.append(layer.pos_h)
+    if workers <= 1:
+        for layer in layers:
+            plans.append(scorer.plan_layer(layer, budget))
+            positions.append(layer.pos_h)
+        return Plan.from_layers(plans, positions)
+    pending: collections.deque = collections.deque()
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for layer in layers:
+            if len(pending) == workers:
+                plans.append(pending.popleft().result())
+            pending.append(pool.submit(scorer.plan_layer, layer, budget))
+            positions.append(layer.pos_h)
+        plans.extend(f.result() for f in pending)
     return Plan.from_layers(plans, positions)

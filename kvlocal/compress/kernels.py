@@ -39,7 +39,8 @@ def topk(x: np.ndarray, k: int) -> np.ndarray:
     if not 0 <= k <= src.shape[1]:
         raise ValueError(f"k={k} out of range for rows of {src.shape[1]}")
     idx = np.empty((src.shape[0], k), dtype=np.int32)
-    lib.kvl_topk_f32(_ptr(src, "float *"), src.shape[0], src.shape[1], k, _ptr(idx, "int *"))
+    if lib.kvl_topk_f32(_ptr(src, "float *"), src.shape[0], src.shape[1], k, _ptr(idx, "int *")) != 0:
+        raise MemoryError("kvl_topk_f32 failed (out of memory)")
     return idx.reshape(*np.shape(x)[:-1], k)
 
 
@@ -96,6 +97,21 @@ def vnorm_l1(v: np.ndarray, wo: np.ndarray, first_head: int, n_group: int,
                               ffi.NULL if r is None else _ptr(r, "int *"), m, _ptr(out, "float *"))
     if rc != 0:
         raise MemoryError("kvl_vnorm_l1_f32 failed (out of memory)")
+    return out
+
+
+def f16_heads_f32(x: np.ndarray) -> np.ndarray:
+    """Half-float rows grouped by head as float32: ``x`` [H, n, d] float16, a transposed view of cells
+    [n, H, d] (an F16 cache as llama.cpp stores it) or contiguous; returns a C-contiguous [H, n, d] copy.
+    Exact (every half is a float32)."""
+    if x.dtype != np.float16 or x.ndim != 3:
+        raise ValueError(f"want float16 [H, n, d], got {x.dtype} {x.shape}")
+    cells = x.transpose(1, 0, 2)
+    if not cells.flags.c_contiguous:
+        cells = np.ascontiguousarray(cells)
+    n, h, d = cells.shape
+    out = np.empty((h, n, d), dtype=np.float32)
+    lib.kvl_f16_heads_f32(ffi.cast("unsigned short *", ffi.from_buffer(cells)), n, h, d, _ptr(out, "float *"))
     return out
 
 

@@ -515,7 +515,7 @@ class Engine:
         inputs = self.kv.layer_inputs(read, [qi * self._q_scale for qi in q], q_pos,
                                       n_sink=max(self.cfg.n_sink, self.stats.kv_cells_pinned),
                                       recent=self.cfg.recent, window_size=observation_window(self.scorer))
-        plan = plan_layers(self.scorer, inputs, self.head_budget)
+        plan = plan_layers(self.scorer, inputs, self.head_budget, workers=self.ctx.n_threads)
         self.last_plan = plan
         return plan
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvlocal.compress.base import as_f32
 from kvlocal.errors import UsageError
 
 GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16 = 0, 1, 30
@@ -176,7 +177,7 @@ class CacheBasis:
 
     def keys(self, rows: np.ndarray) -> np.ndarray:
         """Cache rows ``[..., d or bytes]`` → float32 keys in the stored basis (pair them with :meth:`queries`)."""
-        return self.k_codec.decode(rows) if self.k_codec else np.asarray(rows, dtype=np.float32)
+        return self.k_codec.decode(rows) if self.k_codec else as_f32(rows)
 
     def queries(self, q: np.ndarray) -> np.ndarray:
         """Model queries ``[..., d]`` → the basis the keys are stored in."""
@@ -185,6 +186,6 @@ class CacheBasis:
     def values(self, rows: np.ndarray) -> np.ndarray:
         """Cache rows → float32 values as the model computed them (rotated back), for ``‖v·W_O‖₁``."""
         if self.v_codec is None:
-            return np.asarray(rows, dtype=np.float32)
+            return as_f32(rows)
         v = self.v_codec.decode(rows)
         return rotate(v, self.v_rot) if self.v_rot else v

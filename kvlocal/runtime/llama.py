@@ -170,6 +170,7 @@ class Context:
         params.swa_full = False  # as llama-cli: a sliding-window cache of n_swa + n_ubatch cells, not n_ctx
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = n_threads or default_threads()
+        self.n_threads = params.n_threads  # llama.cpp's threads; kvlocal's scoring uses as many
         # AUTO turns flash attention on, which removes kq_soft_max and is slower for decode on CPU
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.rope_freq_base = rope_freq_base
