@@ -66,3 +66,23 @@ def test_topk_keeps_shape_and_checks_k():
     assert kernels.topk(x, 4).shape == (2, 3, 4)
     with pytest.raises(ValueError):
         kernels.topk(x, 11)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_dequant_rows_is_ggmls_dequantization_bit_for_bit(name):
+    """Random bytes as cache rows [cells, heads, row bytes] (every nibble and high-bit pattern, scales of
+    every exponent, infinities and NaN among them): the same float32 bits as gguf-py's dequantizer."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType[name]
+    _, size = GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(int(qtype)).integers(0, 256, (300, 3, 2 * size), dtype=np.uint8)
+    got = kernels.dequant_rows(raw.transpose(1, 0, 2), int(qtype))  # a transposed view, as the scorers read it
+    with np.errstate(invalid="ignore"):  # inf * 0 in the reference, where a random scale is infinite
+        want = dequantize(np.ascontiguousarray(raw.transpose(1, 0, 2)), qtype)
+    assert got.shape == want.shape == (3, 300, 64)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    assert np.array_equal(got[~np.isnan(got)].view(np.uint32), want[~np.isnan(want)].view(np.uint32))
+    with pytest.raises(ValueError, match="not blocks"):
+        kernels.dequant_rows(raw[..., :-1], int(qtype))

@@ -41,6 +41,11 @@ int kvl_greedy_pairs(const int * order, int m, int n_pairs, unsigned char * take
  * dst [n_head][n][d] float32. Exact; F16C where the CPU has it (and kvl_simd_level allows AVX2). */
 void kvl_f16_heads_f32(const unsigned short * src, int n, int n_head, int d, float * dst);
 
+/* Quantized rows to float32: n_blocks blocks of 32 values of ggml type `type` (8 q8_0, 2 q4_0, 3 q4_1,
+ * 6 q5_0, 7 q5_1) from src into dst [n_blocks * 32], as ggml's to_float computes them (same bits).
+ * Returns 0, or -1 for another type. */
+int kvl_dequant_rows(int type, const unsigned char * src, long n_blocks, float * dst);
+
 /* Instruction set of the scoring kernels above: 0 generic (SSE2 / NEON / scalar), 1 AVX2+FMA,
  * 2 AVX-512; the widest the CPU supports is used. cap >= 0 limits it (tests and benchmarks compare the
  * levels; process-wide, not thread-safe); cap < 0 only asks. Returns the level now in use. */

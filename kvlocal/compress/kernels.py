@@ -115,6 +115,22 @@ def f16_heads_f32(x: np.ndarray) -> np.ndarray:
     return out
 
 
+DEQUANT_BLOCK_BYTES = {8: 34, 2: 18, 3: 20, 6: 22, 7: 24}  # ggml type -> bytes of a block of 32 values
+
+
+def dequant_rows(raw: np.ndarray, ggml_type: int) -> np.ndarray:
+    """Quantized rows ``[..., row_bytes]`` uint8 of a q8_0/q4_0/q4_1/q5_0/q5_1 cache → float32 ``[..., values]``,
+    the same bits as ggml's (and gguf-py's) dequantization."""
+    size = DEQUANT_BLOCK_BYTES.get(ggml_type)
+    if size is None or raw.shape[-1] % size:
+        raise ValueError(f"rows of {raw.shape[-1]} bytes are not blocks of ggml type {ggml_type}")
+    src = np.ascontiguousarray(raw, dtype=np.uint8)
+    n_blocks = src.size // size
+    out = np.empty((*src.shape[:-1], src.shape[-1] // size * 32), dtype=np.float32)
+    lib.kvl_dequant_rows(ggml_type, ffi.cast("unsigned char *", ffi.from_buffer(src)), n_blocks, _ptr(out, "float *"))
+    return out
+
+
 def greedy_pairs(mass: np.ndarray, n_pairs: int) -> np.ndarray:
     """Greedy non-overlapping adjacent pairs with the smallest mass: sorted pair indices ``[P]`` int64.
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvlocal.compress import kernels
 from kvlocal.compress.base import as_f32
 from kvlocal.errors import UsageError
 
@@ -134,10 +135,13 @@ class RowCodec:
                              f"(this model's is {n_values}): use the default F16 cache")
         return n_values // values * nbytes
 
-    # gguf's (de)quantizers work through the rows 16 at a time (a numpy call chain per group: 98% of an
-    # event's scoring on a q8_0 cache); blocks are independent, so every row is handed over as one
+    # gguf's (de)quantizers work through the rows 16 at a time (a numpy call chain per group: most of an
+    # event's scoring on a q8_0 cache went there); blocks are independent, so every row goes as one. Decoding,
+    # which every event does for every cell, is a C pass with the same bits (kernels.dequant_rows).
 
     def decode(self, raw: np.ndarray) -> np.ndarray:
+        if self.type in kernels.DEQUANT_BLOCK_BYTES:  # every cache type kvlocal rewrites, in one C pass
+            return kernels.dequant_rows(raw, self.type)
         from gguf.quants import dequantize
 
         raw = np.ascontiguousarray(raw)
