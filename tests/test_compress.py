@@ -290,3 +290,19 @@ def test_every_method_that_reads_w_o_is_marked():
         return any(type(p).__name__ in ("CriticalKV", "DefensiveKV") or (p is not scorer and uses_wo(p)) for p in parts)
 
     assert {m for m in METHODS if uses_wo(make_scorer(m))} == WO_METHODS
+
+
+@pytest.mark.parametrize("method", ["criticalkv", "criticalkv+adakv", "kvslimmer"])
+def test_layers_planned_on_threads_give_the_same_plan(method):
+    """plan_layers(workers=3) (what an engine event does on its context's threads) against one layer at a
+    time: the same plan, and CriticalKV fills in the same value norms of each layer."""
+    cases = [make_case(seed=s)[0] for s in range(7)]
+    for layer in cases:
+        layer.vnorm = np.full((layer.n_kv, layer.n), np.nan, np.float32)
+    twins = [LayerInputs(**{**layer.__dict__, "vnorm": layer.vnorm.copy()}) for layer in cases]
+    one = plan_layers(make_scorer(method), iter(cases), 40)
+    three = plan_layers(make_scorer(method), iter(twins), 40, workers=3)
+    assert one.to_dict() == three.to_dict()
+    for a, b in zip(cases, twins):
+        np.testing.assert_array_equal(a.vnorm, b.vnorm)
+    assert method == "kvslimmer" or not np.isnan(cases[0].vnorm).all()

@@ -10,35 +10,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
 #include "simd.h"
 
 #if KVL_X86_DISPATCH
 #include <immintrin.h>
 #endif
-
-static float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t) (h & 0x8000u) << 16;
-    uint32_t       exp  = (h >> 10) & 0x1fu;
-    uint32_t       man  = h & 0x3ffu;
-    uint32_t       bits;
-    if (exp == 0x1fu) {  // inf, nan
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {  // normal
-        bits = sign | ((exp + 112u) << 23) | (man << 13);
-    } else if (man == 0) {  // zero
-        bits = sign;
-    } else {  // subnormal: normalise
-        exp = 113u;
-        while (!(man & 0x400u)) {
-            man <<= 1;
-            exp--;
-        }
-        bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 static void heads_generic(const uint16_t * src, int n, int n_head, int d, float * dst) {
     for (int h = 0; h < n_head; h++) {
@@ -46,7 +23,7 @@ static void heads_generic(const uint16_t * src, int n, int n_head, int d, float 
             const uint16_t * s = src + ((long) i * n_head + h) * d;
             float          * o = dst + ((long) h * n + i) * d;
             for (int j = 0; j < d; j++) {
-                o[j] = half_to_float(s[j]);
+                o[j] = kvl_half_to_float(s[j]);
             }
         }
     }
@@ -63,7 +40,7 @@ __attribute__((target("avx2,f16c"))) static void heads_f16c(const uint16_t * src
                 _mm256_storeu_ps(o + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (s + j))));
             }
             for (; j < d; j++) {
-                o[j] = half_to_float(s[j]);
+                o[j] = kvl_half_to_float(s[j]);
             }
         }
     }

@@ -17,29 +17,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
+
 static float f16(const uint8_t * p) {  // little-endian IEEE half at p
-    const uint16_t h    = (uint16_t) (p[0] | (p[1] << 8));
-    const uint32_t sign = (uint32_t) (h & 0x8000u) << 16;
-    uint32_t       exp  = (h >> 10) & 0x1fu;
-    uint32_t       man  = h & 0x3ffu;
-    uint32_t       bits;
-    if (exp == 0x1fu) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112u) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else {
-        exp = 113u;
-        while (!(man & 0x400u)) {
-            man <<= 1;
-            exp--;
-        }
-        bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    return kvl_half_to_float((uint16_t) (p[0] | (p[1] << 8)));
 }
 
 /* one block of 32 values: q8_0 34 bytes, q4_0 18, q4_1 20, q5_0 22, q5_1 24 (ggml-common.h) */

@@ -105,6 +105,10 @@ def resolve_recall(recall: bool | None, method: str) -> bool:
 # prefill compression events one decode of the probe scores (kvlocal.engine.observation; docs/engine.md)
 OBSERVE_EVERY = 4
 
+# the most layers an event plans at once (on the context's threads, no more): the kernels release the GIL, the
+# numpy work between them does not, and every layer in flight holds its cells as float32
+PLAN_WORKERS = 4
+
 
 @dataclass
 class EngineConfig:

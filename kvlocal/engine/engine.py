@@ -62,7 +62,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, observation_window, plan_layers
-from kvlocal.engine.config import OBSERVE_EVERY, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
+from kvlocal.engine.config import OBSERVE_EVERY, PLAN_WORKERS, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
 from kvlocal.engine.interrupts import interrupts_deferred
 from kvlocal.engine.observation import Observations, Rope
 from kvlocal.engine.positions import reposition
@@ -515,7 +515,7 @@ class Engine:
         inputs = self.kv.layer_inputs(read, [qi * self._q_scale for qi in q], q_pos,
                                       n_sink=max(self.cfg.n_sink, self.stats.kv_cells_pinned),
                                       recent=self.cfg.recent, window_size=observation_window(self.scorer))
-        plan = plan_layers(self.scorer, inputs, self.head_budget, workers=self.ctx.n_threads)
+        plan = plan_layers(self.scorer, inputs, self.head_budget, workers=min(self.ctx.n_threads, PLAN_WORKERS))
         self.last_plan = plan
         return plan
 
