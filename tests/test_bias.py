@@ -232,3 +232,18 @@ def test_patched_runtime_matches_stock_bit_for_bit(smollm2, model, prompt, stock
         ctx = cached(model, cache, fa)
         mine = ctx.decode([last], [len(cache)])
         assert np.array_equal(mine, stock[f"fa{int(fa)}"]), (fa, float(np.abs(mine - stock[f"fa{int(fa)}"]).max()))
+
+
+def test_bench_stock_compares_ordinary_inference_with_the_stock_runtime(smollm2, stock_runtime, capsys):
+    """tools/bench_stock: `kvlocal run --method full` on both runtimes in alternation. SmolLM2's attn_output
+    is Q4_1, which the CPU does not repack, so patch 0012 changes nothing there: the same greedy text."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tools import bench_stock
+
+    bench_stock.main([str(smollm2), "--stock", str(stock_runtime), "--rounds", "1", "--tokens", "200", "--decode", "8"])
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith(smollm2.name[:44])]
+    assert len(row) == 1 and row[0].split()[1] == "Q4_1" and row[0].split()[-1] == "True", row
+    assert all(float(x) > 0 for x in row[0].split()[2:8]), row
