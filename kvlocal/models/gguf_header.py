@@ -1,7 +1,7 @@
 """A GGUF file's header — metadata and tensor infos — read in milliseconds.
 
-gguf-py's ``GGUFReader`` builds a numpy view for every element of the header: 2.7 s for SmolLM2's
-49K-token vocabulary, 10 s for Gemma 3's 262K, paid by every process that opens a model. kvlocal reads a
+gguf-py's ``GGUFReader`` builds a numpy view for every element of the header: seconds for SmolLM2's
+49K-token vocabulary and more for Gemma 3's 262K, paid by every process that opens a model. kvlocal reads a
 handful of metadata keys and the tensor table, so this reader walks the header once with ``struct`` and
 keeps arrays undecoded (their offset) until a key is asked for. Tensor data is a view of one read-only
 memory map, shaped as gguf-py shapes it, so ``gguf.quants.dequantize`` takes it as it is.

@@ -135,19 +135,12 @@ class RowCodec:
                              f"(this model's is {n_values}): use the default F16 cache")
         return n_values // values * nbytes
 
-    # gguf's (de)quantizers work through the rows 16 at a time (a numpy call chain per group: most of an
-    # event's scoring on a q8_0 cache went there); blocks are independent, so every row goes as one. Decoding,
-    # which every event does for every cell, is a C pass with the same bits (kernels.dequant_rows).
+    # Decoding, which every event does for every cell, is one C pass with gguf-py's (and ggml's) bits
+    # (kernels.dequant_rows: every type in CACHE_TYPES). Encoding, for merged rows only, is gguf's quantizer,
+    # given every row as one: it works through rows 16 at a time, and blocks are independent.
 
     def decode(self, raw: np.ndarray) -> np.ndarray:
-        if self.type in kernels.DEQUANT_BLOCK_BYTES:  # every cache type kvlocal rewrites, in one C pass
-            return kernels.dequant_rows(raw, self.type)
-        from gguf.quants import dequantize
-
-        raw = np.ascontiguousarray(raw)
-        values, nbytes = self.block
-        flat = dequantize(raw.reshape(1, -1), self._qtype)
-        return np.asarray(flat, dtype=np.float32).reshape(*raw.shape[:-1], raw.shape[-1] // nbytes * values)
+        return kernels.dequant_rows(raw, self.type)
 
     def encode(self, x: np.ndarray) -> np.ndarray:
         from gguf.quants import quantize
