@@ -19,6 +19,7 @@ queries of the same tokens decoded at two positions.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,11 +46,15 @@ class Rope:
         base = float(model.meta(f"{arch}.rope.freq_base") or 10000.0)
         return cls(kind, n_rot, base, model.rope_freq_scale)
 
+    @functools.lru_cache(maxsize=4)  # an event moves every layer's queries by the same delta
+    def _turn(self, delta: int) -> tuple[np.ndarray, np.ndarray]:
+        theta = delta * self.freq_scale * self.base ** (-np.arange(self.n_rot // 2, dtype=np.float64) * 2 / self.n_rot)
+        return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+
     def rotate(self, x: np.ndarray, delta: int) -> np.ndarray:
         """``x [..., d]`` (post-RoPE vectors) turned ``delta`` positions further."""
         half = self.n_rot // 2
-        theta = delta * self.freq_scale * self.base ** (-np.arange(half, dtype=np.float64) * 2 / self.n_rot)
-        cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+        cos, sin = self._turn(int(delta))
         out = np.array(x, dtype=np.float32, copy=True)
         if self.kind == "norm":
             x0, x1 = x[..., 0:self.n_rot:2], x[..., 1:self.n_rot:2]

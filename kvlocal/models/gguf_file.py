@@ -9,9 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from kvlocal.errors import UsageError
-from kvlocal.models.gguf_header import HeaderError, read_header
-
-GGUF_MAGIC = b"GGUF"
+from kvlocal.models.gguf_header import GGUF_MAGIC, HeaderError, read_header
 
 
 def check_gguf(path: str | os.PathLike) -> Path:
