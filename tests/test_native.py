@@ -249,7 +249,7 @@ def test_native_and_state_keep_identical_sets_on_tiny_f32_models(tiny, arch):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_native_and_state_recall_the_same_rows(tiny, arch):
     """With a recall tier: the same rows leave at every event and the same rows come back for a question
-    (F32 cache), on the native backend by copying only the rows that move: the tier's candidates are scored
+    and for each of its answer's first tokens (F32 cache), on the native backend by copying only the rows that move: the tier's candidates are scored
     on the host inside the device's softmax (the score's outside mass)."""
     model = Model(tiny[arch], n_gpu_layers=NGL)
     tokens = model.tokenize(sample_text())
@@ -264,16 +264,22 @@ def test_native_and_state_recall_the_same_rows(tiny, arch):
         back = eng.recall(tokens[600:620])
         eng.recall_bytes, eng.recall_rows_out = eng.kv.host_kv_bytes - eng.prefill_bytes, eng.tier.rows_out - eng.prefill_rows_out
         eng.append(tokens[600:620])
+        eng.append(tokens[620:632], recall=True)  # a second question: its answer's first tokens re-select too
         eng.reply = list(eng.generate(8, stop_at_eog=False))
+        assert eng.stats.recall_steps == 8
         engines[backend] = eng, back
     (native, back_n), (state, back_s) = engines["native"], engines["state"]
     assert native.backend == "native" and back_n == back_s > 0
     for a, b in zip(native.tier.heads, state.tier.heads):
         for sa, sb in zip(a, b):
-            assert sa.n == sb.n and np.array_equal(sa.pos[:sa.n], sb.pos[:sb.n])
-            assert np.array_equal(sa.on_device[:sa.n], sb.on_device[:sb.n])
-            ids = np.arange(sa.n)
-            for x, y in zip(sa.rows(ids), sb.rows(ids)):
+            # the same rows, by position (Gemma 3: a near-tie at an answer step, one token's query, let one row
+            # leave one event apart on the two backends — 515 of 519 in one head, measured — so not in order)
+            ia, ib = np.argsort(sa.pos[:sa.n]), np.argsort(sb.pos[:sb.n])
+            assert sa.n == sb.n and np.array_equal(sa.pos[ia], sb.pos[ib])
+            if arch == "llama":
+                assert np.array_equal(sa.pos[:sa.n], sb.pos[:sb.n])  # in the same order, event by event
+            assert np.array_equal(sa.on_device[ia], sb.on_device[ib])
+            for x, y in zip(sa.rows(ia), sb.rows(ib)):
                 # Gemma 3: the two backends leave the sliding cache's cells in another order, so later
                 # tokens' K/V differ by summation order (up to ~1e-2 here); Llama's are bit-exact
                 np.testing.assert_allclose(x, y, rtol=0, atol=0 if arch == "llama" else 2e-2)

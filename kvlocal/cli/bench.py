@@ -14,9 +14,9 @@ q8_0 cache — KV bytes, TTFT, decode tokens/s and the compression share, as a t
 figure of KV bytes, TTFT and decode speed against the context).
 
 ``--recall-cost`` measures the recall tier instead, per document length (``--contexts``) and backend: the
-document is read with recall on, then one question re-selects the cache (:meth:`kvlocal.engine.Engine.recall`); its
-seconds (the question's probe decode included) as a share of the document's prefill (target <= 3%), the
-rows that crossed, and the host tier's bytes next to the device's KV bytes.
+document is read with recall on, then one question re-selects the cache (:meth:`kvlocal.engine.Engine.recall`) and
+so do the first ``RECALL_STEPS`` tokens of its answer; their seconds (the probe decodes included) as a share of the
+document's prefill (target <= 3%), the rows that crossed, and the host tier's bytes next to the device's KV bytes.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 import time
 from importlib import resources
 
-from kvlocal.engine import Budget, Engine
+from kvlocal.engine import RECALL_STEPS, Budget, Engine
 from kvlocal.errors import UsageError
 from kvlocal.runtime import Model, cache_type, resolve_backend
 
@@ -243,41 +243,49 @@ QUESTION = "\n\nQuestion: which obligations does the text above put on someone w
 
 
 def run_recall_cost(args, model: Model) -> int:
-    """``--recall-cost``: one question's re-selection against the document's prefill, per length."""
+    """``--recall-cost``: one question's re-selections against the document's prefill, per length: the
+    question's, then its answer's first ``RECALL_STEPS`` tokens' (each with its own query)."""
     rows = []
     question = model.tokenize(QUESTION, add_special=False)
     backends = args.backends or default_backends(args.method)
     for n in args.contexts:
         tokens = long_text(model, n)
         for backend in backends:
-            print(f"reading {n:,} tokens with recall on ({backend} backend), then one question", file=sys.stderr, flush=True)
-            eng = Engine(model, Budget.parse(args.budget), args.method, max_tokens=n + len(question) + 8,
+            print(f"reading {n:,} tokens with recall on ({backend} backend), then one question and {RECALL_STEPS} "
+                  f"tokens of its answer", file=sys.stderr, flush=True)
+            eng = Engine(model, Budget.parse(args.budget), args.method, max_tokens=n + len(question) + RECALL_STEPS + 8,
                          n_threads=args.threads, recall=True, backend=backend)
             eng.prefill(tokens)  # a document read before any question: the generic probe
             s = eng.stats
             out0, in0, copied0 = s.recall_rows_out, s.recall_rows_in, eng.kv.host_kv_bytes
-            t0 = time.perf_counter()
-            eng.recall(question)
-            seconds = time.perf_counter() - t0
-            rows.append(dict(tokens=n, backend=backend, prefill_seconds=s.prefill_seconds, recall_seconds=seconds,
+            eng.append(question, probe=question, recall=True)
+            decode0 = s.decode_seconds
+            answer = len(list(eng.generate(RECALL_STEPS, stop_at_eog=False)))
+            seconds = s.recall_seconds + s.recall_step_seconds
+            rows.append(dict(tokens=n, backend=backend, prefill_seconds=s.prefill_seconds,
+                             question_seconds=s.recall_seconds, steps=s.recall_steps, step_seconds=s.recall_step_seconds,
+                             answer_tokens=answer, answer_seconds=s.decode_seconds - decode0, recall_seconds=seconds,
                              share=seconds / s.prefill_seconds, rows_in=s.recall_rows_in - in0,
                              rows_out=s.recall_rows_out - out0, candidates=s.recall_candidates,
                              prefill_host_kv_bytes=copied0, recall_host_kv_bytes=eng.kv.host_kv_bytes - copied0,
                              host_tier_bytes=s.host_tier_bytes, kv_bytes_allocated=s.kv_bytes_allocated,
                              budget_cells=s.budget_cells, compression_events=s.compression_events))
             eng.tier.close()
-    if _json_or_title(args, model, "recall", rows, "one question after the document"):
+    if _json_or_title(args, model, "recall", rows, f"one question after the document, {RECALL_STEPS} answer tokens"):
         return 0
     mib = 2**20
-    print(f"{'tokens':>8} {'backend':>8} {'budget':>7} {'prefill s':>10} {'recall s':>9} {'share':>7} {'scored':>8} "
-          f"{'rows in':>8} {'rows out':>9} {'tier MiB':>9} {'KV MiB':>7} {'copied MiB':>11}   target: share <= 3%")
+    print(f"{'tokens':>8} {'backend':>8} {'budget':>7} {'prefill s':>10} {'question s':>11} {'steps':>6} {'steps s':>8} "
+          f"{'share':>7} {'scored':>8} {'rows in':>8} {'rows out':>9} {'tier MiB':>9} {'KV MiB':>7} {'copied MiB':>11}"
+          f"   target: share <= 3%")
     for r in rows:
         print(f"{r['tokens']:>8,} {r['backend']:>8} {r['budget_cells']:>7,} {r['prefill_seconds']:>10.1f} "
-              f"{r['recall_seconds']:>9.2f} {100 * r['share']:>6.2f}% {r['candidates']:>8,} {r['rows_in']:>8,} "
-              f"{r['rows_out']:>9,} {r['host_tier_bytes'] / mib:>9.1f} {r['kv_bytes_allocated'] / mib:>7.1f} "
-              f"{r['recall_host_kv_bytes'] / mib:>11.1f}")
-    print("copied: K/V bytes the question moved between llama.cpp and the host (state: the cache out and back; "
-          "native: only the rows brought back in and the evicted rows out)")
+              f"{r['question_seconds']:>11.2f} {r['steps']:>6} {r['step_seconds']:>8.2f} {100 * r['share']:>6.2f}% "
+              f"{r['candidates']:>8,} {r['rows_in']:>8,} {r['rows_out']:>9,} {r['host_tier_bytes'] / mib:>9.1f} "
+              f"{r['kv_bytes_allocated'] / mib:>7.1f} {r['recall_host_kv_bytes'] / mib:>11.1f}")
+    print("question s: the question's re-selection (its probe decode included); steps: the answer's tokens that "
+          "re-selected with their own query; share: both, of the prefill; copied: K/V bytes they moved between "
+          "llama.cpp and the host (state: the cache out and back each time; native: only the rows brought back in "
+          "and the evicted rows out)")
     return 0
 
 

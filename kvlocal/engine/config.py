@@ -74,7 +74,9 @@ class EngineStats:
     host_tier_bytes: int = 0  # the recall tier's host memory: evicted rows (RAM and --recall-dir file) and page bounds
     recall_events: int = 0  # re-selections for a new question
     recall_seconds: float = 0.0  # their time (the question's probe decode included)
-    recall_candidates: int = 0  # tier rows scored by them (the best pages' rows)
+    recall_steps: int = 0  # re-selections at an answer's first tokens (``recall_steps`` of them per answer)
+    recall_step_seconds: float = 0.0  # their time (each token's probe decode included)
+    recall_candidates: int = 0  # tier rows scored by re-selections (the best pages' rows)
     recall_rows_in: int = 0  # rows brought back to the device
     recall_rows_out: int = 0  # rows the tier took (each row once: one brought back and evicted again costs nothing)
     recall_dropped_rows: int = 0  # rows that did not fit under --recall-mem without --recall-dir
@@ -108,6 +110,10 @@ OBSERVE_EVERY = 4
 # the most layers an event plans at once (on the context's threads, no more): the kernels release the GIL, the
 # numpy work between them does not, and every layer in flight holds its cells as float32
 PLAN_WORKERS = 4
+
+# an answer's first tokens that re-select the cache with their own query after the question did (the recall tier;
+# docs/recall.md § Choices: on the development chat 4, 10 and 32 steps found 13, 15 and 15 of 24 facts, none 8)
+RECALL_STEPS = 16
 
 
 @dataclass

@@ -62,7 +62,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, observation_window, plan_layers
-from kvlocal.engine.config import OBSERVE_EVERY, PLAN_WORKERS, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
+from kvlocal.engine.config import OBSERVE_EVERY, PLAN_WORKERS, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
 from kvlocal.engine.interrupts import interrupts_deferred
 from kvlocal.engine.observation import Observations, Rope
 from kvlocal.engine.positions import reposition
@@ -109,6 +109,7 @@ class Engine:
         recall_dir: str | None = None,
         recall_span: str = "row",
         recall_candidates: float = 4.0,
+        recall_steps: int = RECALL_STEPS,
         observe_every: int = OBSERVE_EVERY,
     ):
         budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
@@ -171,6 +172,11 @@ class Engine:
         self.recall_span = recall_span
         # tier rows scored exactly per head at a question, as a multiple of the budget (the best pages by bound)
         self.recall_candidates = float(recall_candidates)
+        # the first tokens of an answer re-select too, each observed by its own query (:meth:`_recall_step`)
+        if recall_steps < 0:
+            raise UsageError(f"recall_steps {recall_steps} must be >= 0 (0: only the question re-selects)")
+        self.recall_steps = int(recall_steps)
+        self._answering = False  # the tokens generated now answer a question that re-selected the cache
         self.tier = HostTier(len(self.layers), m.n_head_kv, row_format(type_k, m.arch.head_dim_k),
                              row_format(type_v, m.arch.head_dim_v), m.arch.head_dim_k, recall_mem,
                              recall_dir) if recall else None
@@ -218,6 +224,7 @@ class Engine:
         self._check_cap(len(tokens))
         probe = self._probe_tokens(probe)
         self._probe, self._reply = probe, []
+        self._answering = False
         observed = None  # the probe's queries over the cache as it is now
         i = 0
         while i < len(tokens):
@@ -248,7 +255,9 @@ class Engine:
         so that its own tokens already attend to what came back."""
         if recall:
             self.recall(probe if probe is not None else tokens)
-        return self.prefill(tokens, probe, progress)
+        logits = self.prefill(tokens, probe, progress)
+        self._answering = recall and self.tier is not None
+        return logits
 
     def generate(self, max_new: int, sampler: Sampler | None = None, stop_at_eog: bool = True) -> Iterator[int]:
         """Yield up to max_new tokens; the end-of-generation token is kept in the cache, not yielded.
@@ -266,6 +275,8 @@ class Engine:
             self._fit_positions(1 + self.cfg.recent)
             if self.live_cells() + 1 > self.ctx.n_ctx - self._reserve():
                 self._compress(self.decode_probe())
+            if self._answering and len(self._reply) < self.recall_steps and not self.model.is_eog(tok):
+                self._recall_step(tok)
             with self._rollback():
                 self.logits = self._decode([tok], [self.n_past], "last")
                 self.n_past += 1
@@ -316,6 +327,7 @@ class Engine:
             self.observations.forget()
             self._probe = None if state.probe is None else list(state.probe)
             self._reply = list(state.reply)
+            self._answering = False  # a restored answer goes on without re-selecting
             fixed = {k: getattr(self.stats, k) for k in ("n_ctx", "kv_bytes_allocated", "kv_bytes_swa",
                                                          "kv_bytes_measured", "kv_bytes_full", "budget_cells")}
             self.stats = EngineStats(**{**state.stats, **fixed})
@@ -494,9 +506,28 @@ class Engine:
             return 0
         self._check_usable()
         t0 = time.perf_counter()
-        probe = self._probe_tokens(probe)
-        q, q_pos = self._observe(probe)
-        w = observation_window(self.scorer) or len(probe)
+        moved = self._reselect(*self._observe(self._probe_tokens(probe)))
+        self.stats.recall_events += 1
+        self.stats.recall_seconds += time.perf_counter() - t0
+        return moved
+
+    def _recall_step(self, tok: int) -> int:
+        """Before an answer's token ``tok`` is decoded: re-select with its own query, the one that predicts
+        the next token (Quest's per-step selection, as a swap). The question's queries choose what the
+        answer starts from; a fact's later tokens (a code's next digit) are found by the query that copies
+        them. One token's probe decode and one re-selection; counted in ``recall_steps``."""
+        if self.tier.n_rows == 0:
+            return 0
+        t0 = time.perf_counter()
+        moved = self._reselect(*self._observe([tok]))
+        self.stats.recall_steps += 1
+        self.stats.recall_step_seconds += time.perf_counter() - t0
+        return moved
+
+    def _reselect(self, q: list[np.ndarray], q_pos: np.ndarray) -> int:
+        """Score the device cells and the tier's best candidates for the observation ``q`` at ``q_pos``
+        together, and swap; returns the rows brought back."""
+        w = observation_window(self.scorer) or len(q_pos)
         cands = choose_candidates(self.tier, [self.basis.queries(qi[:, -w:] * self._q_scale) for qi in q],
                                   int(self.recall_candidates * self.head_budget))
         if cands.width == 0:
@@ -504,10 +535,7 @@ class Engine:
         before = self.tier.rows_in
         union = with_candidates(self._read(), self.tier, cands, self.kv, self.recall_span)
         self._apply(union, self._plan(union, q, q_pos))
-        s = self.stats
-        s.recall_events += 1
-        s.recall_candidates += cands.n_rows
-        s.recall_seconds += time.perf_counter() - t0
+        self.stats.recall_candidates += cands.n_rows
         return self.tier.rows_in - before
 
     def _plan(self, read: CacheRead, q: list[np.ndarray], q_pos: np.ndarray) -> Plan:
