@@ -35,7 +35,7 @@ def add_llama_args(p: argparse.ArgumentParser) -> None:
 
 def add_budget_args(p: argparse.ArgumentParser) -> None:
     from kvlocal.compress import METHODS
-    from kvlocal.engine.config import OBSERVE_EVERY
+    from kvlocal.engine.config import OBSERVE_EVERY, RECALL_STEPS
 
     p.add_argument("--budget", default="0.1",
                    help="KV budget: a ratio in (0, 1] of the context (-c; `run`: of the prompt and -n) (default 0.1), "
@@ -60,6 +60,9 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
                    help="host RAM the recall tier may use (e.g. 2G; default: no limit); past it, --recall-dir or drop")
     p.add_argument("--recall-dir", metavar="DIR", default=None,
                    help="a folder for the recall tier's memory-mapped file once --recall-mem is used up")
+    p.add_argument("--recall-steps", metavar="N", type=int, default=RECALL_STEPS,
+                   help="the first N tokens of each answer re-select the cache too, each with its own query "
+                        "(default %(default)s; 0: only the question does; docs/recall.md)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -115,13 +118,17 @@ def sampler_from_args(args):
 
 
 def recall_args(args) -> dict:
-    """``--recall``, ``--recall-mem``, ``--recall-dir`` → the Engine's and Chat's ``recall*`` keywords."""
+    """``--recall``, ``--recall-mem``, ``--recall-dir``, ``--recall-steps`` → the Engine's and Chat's ``recall*``
+    keywords."""
     from kvlocal.recall import parse_size
 
     mem = None if args.recall_mem is None else parse_size(args.recall_mem)
     if args.recall_dir is not None and args.recall == "off":
         raise UsageError("--recall-dir has no effect with --recall off: leave it out, or turn recall on")
-    return dict(recall={"on": True, "off": False}.get(args.recall), recall_mem=mem, recall_dir=args.recall_dir)
+    if args.recall_steps < 0:
+        raise UsageError(f"--recall-steps {args.recall_steps} must be >= 0 (0: only the question re-selects the cache)")
+    return dict(recall={"on": True, "off": False}.get(args.recall), recall_mem=mem, recall_dir=args.recall_dir,
+                recall_steps=args.recall_steps)
 
 
 def engine_from_args(args, model, max_tokens: int):

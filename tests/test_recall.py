@@ -150,6 +150,7 @@ def test_cli_bad_recall_settings_are_one_line(smollm2, tmp_path):
     assert_usage_error(run_cli(*base, "--recall-mem", "lots"), "--recall-mem", "not a size")
     assert_usage_error(run_cli(*base, "--recall-dir", str(tmp_path / "nope"), "--recall-mem", "1M"), "no such folder")
     assert_usage_error(run_cli(*base, "--recall", "on", "--method", "kvslimmer"), "merged row")
+    assert_usage_error(run_cli(*base, "--recall-steps", "-1"), "--recall-steps -1", ">= 0")
 
 
 def test_a_full_disk_is_one_line_and_nothing_half_done(smollm2, tmp_path):
@@ -172,7 +173,7 @@ def test_a_saved_chat_carries_its_tier(smollm2_model, tmp_path):
     import kvlocal
 
     text = sample_text()[:2500]
-    with kvlocal.Chat(smollm2_model, budget=64, n_threads=1) as chat:
+    with kvlocal.Chat(smollm2_model, budget=64, n_threads=1, recall_steps=3) as chat:
         chat.read(text)
         "".join(chat.send("Who is speaking?", max_tokens=4))
         rows = chat.engine.tier.n_rows
@@ -181,6 +182,7 @@ def test_a_saved_chat_carries_its_tier(smollm2_model, tmp_path):
         want = "".join(chat.send("And then?", max_tokens=8))
     with kvlocal.Chat.load(tmp_path / "s.kvl", model=smollm2_model, n_threads=1) as again:
         assert again.engine.tier.n_rows == rows
+        assert again.engine.recall_steps == 3  # the saved settings, answer steps included
         assert "".join(again.send("And then?", max_tokens=8)) == want  # the same rows came back, the same reply
 
 

@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 
 from kvlocal import __version__
 from kvlocal.chat import saved
-from kvlocal.engine import OBSERVE_EVERY, Budget, Engine, EngineState
+from kvlocal.engine import OBSERVE_EVERY, RECALL_STEPS, Budget, Engine, EngineState
 from kvlocal.errors import UsageError
 from kvlocal.recall import parse_size
 from kvlocal.runtime import Model, RowRecord, Sampler, cache_type, kv_cache_bytes, pad_cells, runtime_info
@@ -64,6 +64,7 @@ class ChatSettings:
     recall_dir: str | None = None  # a folder for the tier's memory-mapped file past recall_mem
     pin_system: bool = True  # the system message is never evicted
     observe_every: int = OBSERVE_EVERY  # events one decode of a reading's probe scores (kvlocal.engine.observation)
+    recall_steps: int = RECALL_STEPS  # an answer's first tokens that re-select the cache with their own query
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class Chat:
         pin_system: bool = True,
         tools: list[dict] | None = None,
         observe_every: int = OBSERVE_EVERY,
+        recall_steps: int = RECALL_STEPS,
     ):
         for t in (cache_type_k, cache_type_v):
             cache_type(t)  # UsageError naming the choices, before a model is loaded
@@ -118,7 +120,8 @@ class Chat:
             recall_mem = parse_size(recall_mem)
         settings = ChatSettings(str(Budget.parse(budget)), method, ctx_size, chunk, recent, flash_attn, system, max_reply,
                                 cache_type_k.lower(), cache_type_v.lower(), backend, recall, recall_mem,
-                                None if recall_dir is None else os.fspath(recall_dir), pin_system, observe_every)
+                                None if recall_dir is None else os.fspath(recall_dir), pin_system, observe_every,
+                                recall_steps)
         if isinstance(model, Model):
             self.model, self._own_model = model, False
         else:
@@ -392,7 +395,8 @@ class Chat:
                    ctx_size=s.ctx_size, chunk=s.chunk, recent=s.recent, max_reply=s.max_reply,
                    n_gpu_layers=n_gpu_layers, flash_attn=s.flash_attn, n_threads=n_threads,
                    cache_type_k=s.cache_type_k, cache_type_v=s.cache_type_v, backend=s.backend, recall=s.recall,
-                   recall_mem=s.recall_mem, recall_dir=s.recall_dir, pin_system=s.pin_system)
+                   recall_mem=s.recall_mem, recall_dir=s.recall_dir, pin_system=s.pin_system,
+                   observe_every=s.observe_every, recall_steps=s.recall_steps)
         try:
             a, e = f.arrays, h["engine"]
             if chat.engine.tier is not None and "tier_n" in a:
@@ -435,7 +439,8 @@ class Chat:
         return Engine(self.model, s.budget, s.method, max_tokens=cap, chunk=s.chunk, recent=s.recent,
                       flash_attn=s.flash_attn, n_threads=self._threads, endless=s.method != "full",
                       type_k=cache_type(s.cache_type_k), type_v=cache_type(s.cache_type_v), backend=s.backend,
-                      recall=s.recall, recall_mem=s.recall_mem, recall_dir=s.recall_dir, observe_every=s.observe_every)
+                      recall=s.recall, recall_mem=s.recall_mem, recall_dir=s.recall_dir, observe_every=s.observe_every,
+                      recall_steps=s.recall_steps)
 
     def _checkpoint(self) -> tuple[EngineState, Transcript]:
         return self.engine.snapshot(), self.session.t.copy()
