@@ -263,7 +263,9 @@ class Engine:
         """Yield up to max_new tokens; the end-of-generation token is kept in the cache, not yielded.
 
         New tokens fill the cells the prefill chunks used (``slack`` = n_ctx - budget - probe cells);
-        when those are full the cache is compressed back to the budget, scored by :meth:`decode_probe`."""
+        when those are full the cache is compressed back to the budget, scored by :meth:`decode_probe`. After a
+        question (``append(..., recall=True)``) the first ``recall_steps`` tokens re-select the cache with the
+        recall tier before they are decoded (:meth:`_recall_step`; their time counts in ``decode_seconds``)."""
         self._check_usable()
         if self.logits is None:
             raise UsageError("nothing to continue: prefill a prompt before generating")
