@@ -1,4 +1,5 @@
-"""`kvlocal bench --frontier`: the configurations users choose between at long context, measured in one run
+"""`kvlocal bench --frontier`, `--overhead` and `--recall-cost`: the configurations users choose between at long
+context, compression's levers and the recall tier's cost, measured in one run
 on the real SmolLM2 (short contexts here: the figures that matter are in docs/engine.md, from the same
 command at 4K and 8K). What is asserted is measured: llama.cpp's own allocation, the engine's events."""
 
@@ -47,3 +48,15 @@ def test_overhead_compares_the_levers_side_by_side(smollm2):
     assert e - third["moved"] == len(range(0, e, 3)) + ((e - 1) % 3 > 0)
     assert all(x["kv_bytes"] < full["kv_bytes"] for x in rows)
     assert_usage_error(run_cli("bench", str(smollm2), "--overhead", "--chunks", "0"), "--chunks")
+
+
+def test_recall_cost_counts_the_question_and_the_answer_steps(smollm2):
+    """``--recall-cost``: a document read with recall on, one question, then an answer whose first tokens
+    re-select too; the seconds of both against the prefill, and what crossed."""
+    r = run_cli("bench", str(smollm2), "--recall-cost", "--contexts", "600", "--backends", "state", "-t", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(r.stdout)["recall"]
+    assert row["tokens"] == 600 and row["backend"] == "state" and row["compression_events"] > 0
+    assert 0 < row["steps"] <= row["answer_tokens"] <= 16  # an end-of-generation token is not a step
+    assert row["question_seconds"] > 0 and row["step_seconds"] > 0 and row["prefill_seconds"] > 0
+    assert row["rows_in"] > 0 and row["candidates"] > 0 and row["host_tier_bytes"] > 0
