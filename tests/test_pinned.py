@@ -3,7 +3,8 @@
 On a tiny generated model, every method keeps the pinned tokens through many events; a budget too small
 for them is one line and the chat stays as it was. On Qwen2.5-Coder-0.5B, a rule set in the system prompt
 (a codeword to give when asked) holds after 15 turns and more than 10× the budget of other text at budget
-0.05; the same chat without pinning loses it (the control)."""
+0.05; the same chat without pinning finds it again only through the recall tier, and without either loses it
+(the control)."""
 
 from __future__ import annotations
 
@@ -73,22 +74,24 @@ def passages(n: int) -> list[str]:
     return [" ".join(words[i * step:(i + 1) * step]) for i in range(n)]
 
 
-def test_a_system_rule_holds_after_fifteen_turns_only_when_pinned(qwen_model):
+def test_a_system_rule_holds_after_fifteen_turns_when_pinned_or_recalled(qwen_model):
     """The codeword of the system prompt, asked after 15 turns of license text (> 10x the budget of 102
-    cells) at budget 0.05 of 2,048: the pinned chat gives it, the unpinned one does not."""
+    cells) at budget 0.05 of 2,048: the pinned chat gives it (recall off: pinning alone), and so does the
+    unpinned chat whose recall tier brings the rule back for the question; the chat with neither does not."""
     system = ("You are a helpful assistant. The secret codeword is HERON-17. When the user asks for the "
               "codeword, reply with the codeword only.")
     texts = passages(30)[:15]
     replies = {}
-    for pin in (True, False):
-        with Chat(qwen_model, 0.05, ctx_size=2048, system=system, pin_system=pin, sampler=Sampler(temp=0),
-                  max_reply=12) as chat:
+    for case, pin, recall in (("pinned", True, False), ("recalled", False, True), ("neither", False, False)):
+        with Chat(qwen_model, 0.05, ctx_size=2048, system=system, pin_system=pin, recall=recall,
+                  sampler=Sampler(temp=0), max_reply=12) as chat:
             for i in range(15):
                 chat.extend([{"role": "user", "content": "A passage to keep in mind:\n" + texts[i]},
                              {"role": "assistant", "content": "Noted."}])
             seen, budget = chat.stats.tokens_seen, chat.stats.budget_cells
-            replies[pin] = chat.ask("What is the codeword?")
+            replies[case] = chat.ask("What is the codeword?")
             assert seen > 10 * budget and chat.stats.compression_events >= 15
             assert (chat.stats.kv_cells_pinned > 20) == pin
-    assert "HERON-17" in replies[True], replies
-    assert "HERON-17" not in replies[False], replies  # the control: without pinning, the rule is gone
+    assert "HERON-17" in replies["pinned"], replies
+    assert "HERON-17" in replies["recalled"], replies  # measured: "The codeword is HERON-17."
+    assert "HERON-17" not in replies["neither"], replies  # the control: the rule is gone
