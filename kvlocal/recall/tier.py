@@ -140,11 +140,14 @@ class HeadStore:
         ids = np.asarray(ids, dtype=np.int64)
         k = np.empty((len(ids), *self.row_k[1]), dtype=self.row_k[0])
         v = np.empty((len(ids), *self.row_v[1]), dtype=self.row_v[0])
-        c, r = ids // CHUNK, ids % CHUNK
-        for ci in np.unique(c):
-            sel = c == ci
-            ck, cv = self.chunks[ci]
-            k[sel], v[sel] = ck[r[sel]], cv[r[sel]]
+        if len(ids) == 0:
+            return k, v
+        order = np.argsort(ids, kind="stable")  # chunk by chunk: one gather per chunk (ids come sorted by page)
+        c, r = np.divmod(ids[order], CHUNK)
+        cuts = np.flatnonzero(np.diff(c)) + 1
+        for a, b in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(ids)]])):
+            ck, cv = self.chunks[c[a]]
+            k[order[a:b]], v[order[a:b]] = ck[r[a:b]], cv[r[a:b]]
         return k, v
 
     def page_bounds(self, q: np.ndarray) -> np.ndarray:
