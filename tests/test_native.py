@@ -249,8 +249,9 @@ def test_native_and_state_keep_identical_sets_on_tiny_f32_models(tiny, arch):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_native_and_state_recall_the_same_rows(tiny, arch):
     """With a recall tier: the same rows leave at every event and the same rows come back for a question
-    and for each of its answer's first tokens (F32 cache), on the native backend by copying only the rows that move: the tier's candidates are scored
-    on the host inside the device's softmax (the score's outside mass)."""
+    and for each of its answer's first tokens (F32 cache), on the native backend by copying only the rows
+    that move: the tier's candidates are scored on the host inside the device's softmax (the score's outside
+    mass)."""
     model = Model(tiny[arch], n_gpu_layers=NGL)
     tokens = model.tokenize(sample_text())
     engines = {}

@@ -277,7 +277,8 @@ class Engine:
             self._fit_positions(1 + self.cfg.recent)
             if self.live_cells() + 1 > self.ctx.n_ctx - self._reserve():
                 self._compress(self.decode_probe())
-            if self._answering and len(self._reply) < self.recall_steps and not self.model.is_eog(tok):
+            eog = self.model.is_eog(tok)
+            if self._answering and len(self._reply) < self.recall_steps and not eog:
                 self._recall_step(tok)
             with self._rollback():
                 self.logits = self._decode([tok], [self.n_past], "last")
@@ -286,7 +287,7 @@ class Engine:
             self._reply.append(tok)
             self._note_live()
             self.stats.decode_seconds += time.perf_counter() - t0
-            if stop_at_eog and self.model.is_eog(tok):
+            if stop_at_eog and eog:
                 self.stats.end_tokens += 1
                 return
             self.stats.generated_tokens += 1
