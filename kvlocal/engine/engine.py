@@ -123,7 +123,8 @@ class Engine:
                              f"patch 0006); this runtime is stock: run `python ggml_patches/build.py`")
         self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
         m = self.model
-        self.backend = resolve_backend(backend, method, type_k, type_v, offloaded=m.n_gpu_layers != 0, recall=recall)
+        self.backend = resolve_backend(backend, method, type_k, type_v, offloaded=m.n_gpu_layers != 0, recall=recall,
+                                       head_dims=(m.arch.head_dim_k, m.arch.head_dim_v))
         self.layers = m.arch.full_layers  # the model layers whose cache is compressed (all but sliding ones)
         self.head_dim = m.arch.head_dim_k
         # how the cache stores rows: a quantized one as raw blocks, K (and V) Walsh–Hadamard-rotated

@@ -25,7 +25,9 @@ import numpy as np
 
 from kvlocal.compress import BACKENDS, Plan
 from kvlocal.errors import UsageError
+from kvlocal.runtime.kvquant import FLOAT_TYPES
 from kvlocal.runtime.library import has_attention_bias, has_native_compression, has_native_recall, runtime_info
+from kvlocal.runtime.seqstate import row_bytes
 from kvlocal.runtime.state import clear_seq, get_blob, read_seq, set_blob
 
 BACKEND_NAMES = ("auto", "native", "state")
@@ -202,13 +204,15 @@ def count_bias(counts: np.ndarray) -> np.ndarray | None:
 
 
 def resolve_backend(backend: str, method: str, type_k: int | None = None, type_v: int | None = None,
-                    offloaded: bool = True, recall: bool = False) -> str:
+                    offloaded: bool = True, recall: bool = False, head_dims: tuple[int, int] | None = None) -> str:
     """The KV backend an engine runs compression on: ``native`` or ``state``. UsageError, naming the fix, for
     ``native`` where it cannot run.
 
     ``auto`` picks native where it can run and the model is ``offloaded`` to a GPU (its cache then stays on
     the device instead of crossing PCIe twice per event), and state on the CPU, where the cache is in host
-    memory either way and the host scorers measured faster (docs/engine.md, "Native backend")."""
+    memory either way and the host scorers measured faster (docs/engine.md, "Native backend").
+    ``head_dims`` (K, V; None before the model is loaded): a quantized cache's rows move on the device as the
+    4-byte words their bytes are, which a row of one block (a head of 32 dimensions) is not."""
     if backend not in BACKEND_NAMES:
         raise UsageError(f"--backend {backend!r}: choose native, state or auto")
     if backend == "state":
@@ -218,8 +222,8 @@ def resolve_backend(backend: str, method: str, type_k: int | None = None, type_v
         why = f"--method {method} runs on the state backend only (merging and DefensiveKV are computed on the host)"
     elif recall and not has_native_recall():
         why = "this llama.cpp copies no rows between the device and the recall tier (patch 0013): run `python ggml_patches/build.py`"
-    elif any(t not in (None, 0, 1, 30) for t in (type_k, type_v)):  # f32, f16, bf16
-        why = "a quantized KV cache runs on the state backend only (its rows would be re-quantized on the device)"
+    elif head_dims and any(t not in (None, *FLOAT_TYPES) and row_bytes(t, d) % 4 for t, d in zip((type_k, type_v), head_dims)):
+        why = f"a quantized row of {min(head_dims)} dimensions is one block, which the device cannot move as bytes"
     elif not has_native_compression():
         why = "this llama.cpp has no on-device compression (patches 0010-0011): run `python ggml_patches/build.py`"
     if why is None:

@@ -56,7 +56,7 @@ class NativeBackend(KVBackend):
         if host is None:
             votes, norms = self.ctx.score(qs, scale, device_bias, need)
         else:
-            logits = self._host_logits(qs, host, None if bias is None else bias[:, :, n:], scale)  # [L, Hq, w, m]
+            logits = self._host_logits(self.basis.queries(qs), host, None if bias is None else bias[:, :, n:], scale)  # [L, Hq, w, m]
             with np.errstate(invalid="ignore", divide="ignore"):
                 peak = logits.max(axis=3, initial=-np.inf)
                 lse = np.where(np.isfinite(peak), peak + np.log(np.exp(logits - peak[..., None]).sum(axis=3)), -np.inf)
@@ -72,7 +72,7 @@ class NativeBackend(KVBackend):
                               recent=recent, bias=None if bias is None else bias[i], vnorm=vnorm[i], votes=votes[i])
 
     def _host_logits(self, qs: np.ndarray, host: HostRows, bias: np.ndarray | None, scale: float) -> np.ndarray:
-        """``scale * q·k + bias`` of the window queries ``qs`` over the host rows: ``[n_layer, Hq, w, m]``."""
+        """``scale * q·k + bias`` of the window queries ``qs`` (in the keys' basis) over the host rows: ``[n_layer, Hq, w, m]``."""
         n_layer, hq = qs.shape[:2]
         group = hq // self.n_head_kv
         out = []

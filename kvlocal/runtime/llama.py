@@ -318,14 +318,15 @@ class Context:
                 pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
                 None if b is None else b.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
         if rc < 0:
-            why = {-2: "a quantized cache (its rows would be re-quantized)", -3: "the graph failed"}.get(rc, "invalid arguments")
+            why = {-2: "a quantized row of one block (it cannot move as bytes)", -3: "the graph failed"}.get(rc, "invalid arguments")
             raise ValueError(f"llama_kv_compact refused: {why}")
 
     def score(self, q: np.ndarray, scale: float, bias: np.ndarray | None = None,
               vnorm_cells: np.ndarray | None = None, outside: np.ndarray | None = None):
         """Score the cells of sequence 0 on their device (``llama_kv_score``, patches 0011, 0013).
 
-        ``q``: ``[n_layer, Hq, w, d]`` float32 window queries after RoPE (the compressed layers), logits
+        ``q``: ``[n_layer, Hq, w, d]`` float32 window queries after RoPE, as the model computed them (a quantized
+        cache's rotated basis is applied on the device) (the compressed layers), logits
         ``scale * q·k + bias`` (``bias`` ``[n_layer, Hkv, n]``, None: 0). Returns the softmax attention of
         each query head averaged over the window, ``[n_layer, Hq, n]`` (cells in :meth:`cells` order), and
         for the cells ``vnorm_cells`` the projected value norm ``mean_h ||v · W_O^h||_1`` over each KV
@@ -355,8 +356,7 @@ class Context:
                 vnorm.ctypes.data_as(f32), None if x is None else x.ctypes.data_as(f32),
                 None if x is None else x_attn.ctypes.data_as(f32))
         if rc != n:
-            why = {-2: "a quantized cache", -3: "the graph failed"}.get(rc, "invalid arguments")
-            raise ValueError(f"llama_kv_score refused: {why}")
+            raise ValueError(f"llama_kv_score refused: {'the graph failed' if rc == -3 else 'invalid arguments'}")
         out = attn, (vnorm if len(cells) else None)
         return out if x is None else (*out, x_attn)
 

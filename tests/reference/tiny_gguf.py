@@ -3,14 +3,15 @@
 Importable from anywhere in the repository (``from tests.reference.tiny_gguf import write_tiny``)::
 
     write_tiny(path, arch="llama", wtype="F32", seed=0, rope_base=None, rope_scaling=None,
-               rope_freqs=False, n_swa=8, swa_pattern=3, rope_base_swa=10000.0) -> Path
+               rope_freqs=False, n_swa=8, swa_pattern=3, rope_base_swa=10000.0, head_dim=None) -> Path
 
 ``arch``: ``"llama" | "qwen2" | "qwen3" | "gemma3"`` (:data:`ARCHS`); ``wtype``: ``"F32" | "F16" | "BF16" |
 "Q8_0" | "Q4_0"`` (:data:`WTYPES`, the types gguf-py can write); ``rope_scaling``: ``(type, factor)``, e.g.
 ``("linear", 4.0)``; ``rope_base``: the file's RoPE base (default 10000, gemma3 1e6); ``rope_freqs`` (llama only): add a llama-3 style ``rope_freqs.weight`` (frequency
 factors 1…32, see :func:`llama3_freq_factors`); ``n_swa``, ``swa_pattern``, ``rope_base_swa`` (gemma3
 only): sliding window in tokens, every ``swa_pattern``-th layer full (0: none), the sliding layers' RoPE
-base. ``write_tiny_gguf`` is the same function (its old name). Shapes:
+base; ``head_dim``: another head size than the table's (written as ``attention.key_length``, e.g. 64 for a
+quantized KV cache's whole 4-byte words). ``write_tiny_gguf`` is the same function (its old name). Shapes:
 
 | arch | layers | n_embd | heads q/kv | head dim | FFN | output | extras |
 |---|---|---|---|---|---|---|---|
@@ -101,10 +102,10 @@ def llama3_freq_factors(n_rot: int = HEAD_DIM, factor: float = 32.0, low: float 
     return ff.astype(np.float32)
 
 
-def _weights(arch: str, n_vocab: int, seed: int, rope_freqs: bool = False) -> dict[str, np.ndarray]:
+def _weights(arch: str, n_vocab: int, seed: int, rope_freqs: bool = False, head_dim: int | None = None) -> dict[str, np.ndarray]:
     """Random weights in numpy order [out, in]; names as in GGUF."""
     rng = np.random.default_rng(seed)
-    head_dim = HEAD_DIMS.get(arch, HEAD_DIM)
+    head_dim = head_dim or HEAD_DIMS.get(arch, HEAD_DIM)
     q_dim, kv_dim = N_HEAD * head_dim, N_HEAD_KV * head_dim
     qk_norms = arch in ("qwen3", "gemma3")
 
@@ -151,7 +152,7 @@ def _weights(arch: str, n_vocab: int, seed: int, rope_freqs: bool = False) -> di
 def write_tiny(path: str | Path, arch: str = "llama", wtype: str = "F32", seed: int = 0,
                rope_base: float | None = None, rope_scaling: tuple[str, float] | None = None,
                rope_freqs: bool = False, n_swa: int = 8, swa_pattern: int = 3,
-               rope_base_swa: float = 10000.0) -> Path:
+               rope_base_swa: float = 10000.0, head_dim: int | None = None) -> Path:
     """Write one tiny model; returns the path (the module docstring has the parameters)."""
     if arch not in ARCHS or wtype not in WTYPES:
         raise ValueError(f"arch must be one of {ARCHS} and wtype one of {WTYPES}")
@@ -161,7 +162,7 @@ def write_tiny(path: str | Path, arch: str = "llama", wtype: str = "F32", seed: 
     tokens, types, merges = vocabulary()
     n_vocab = len(tokens)
     qtype = gguf.GGMLQuantizationType[wtype]
-    head_dim = HEAD_DIMS.get(arch, HEAD_DIM)
+    head_dim = head_dim or HEAD_DIMS.get(arch, HEAD_DIM)
 
     wr = gguf.GGUFWriter(str(path), arch)
     wr.add_name(f"tiny-{arch}-{wtype}")
@@ -171,7 +172,7 @@ def write_tiny(path: str | Path, arch: str = "llama", wtype: str = "F32", seed: 
     wr.add_feed_forward_length(N_FF)
     wr.add_head_count(N_HEAD)
     wr.add_head_count_kv(N_HEAD_KV)
-    if arch in HEAD_DIMS:
+    if head_dim != N_EMBD // N_HEAD:
         wr.add_key_length(head_dim)
         wr.add_value_length(head_dim)
     wr.add_rope_dimension_count(head_dim)
@@ -195,7 +196,7 @@ def write_tiny(path: str | Path, arch: str = "llama", wtype: str = "F32", seed: 
     wr.add_eos_token_id(n_vocab - 1)
     wr.add_add_bos_token(False)
 
-    for name, arr in _weights(arch, n_vocab, seed, rope_freqs).items():
+    for name, arr in _weights(arch, n_vocab, seed, rope_freqs, head_dim).items():
         if arr.ndim == 2 and qtype == gguf.GGMLQuantizationType.F16:
             wr.add_tensor(name, arr.astype(np.float16))
         elif arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
