@@ -186,7 +186,9 @@ class Runner:
                "prefill_seconds": sum(s["prefill_seconds"] for s in stats),
                "compression_seconds": sum(s["compression_seconds"] for s in stats),
                "host_tier_bytes": max(s["host_tier_bytes"] for s in stats),
-               "recall_seconds": sum(s["recall_seconds"] for s in stats),
+               "recall_seconds": sum(s["recall_seconds"] for s in stats),  # the questions' re-selections
+               "recall_steps": sum(s["recall_steps"] for s in stats),  # and the answers' first tokens'
+               "recall_step_seconds": sum(s["recall_step_seconds"] for s in stats),
                "recall_rows_in": sum(s["recall_rows_in"] for s in stats),
                "seconds": time.perf_counter() - t0, "items": results}
         if spec.task == "continuation":
