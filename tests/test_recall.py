@@ -24,6 +24,7 @@ from conftest import REPO, assert_usage_error, run_cli  # noqa: E402
 from kvlocal.engine import Engine  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
 from kvlocal.eval.tasks import Prose, insert_at, sample_text  # noqa: E402
+from kvlocal.recall.tier import PAGE  # noqa: E402
 from kvlocal.runtime import Model  # noqa: E402
 
 
@@ -85,14 +86,19 @@ def test_a_question_swaps_rows_with_the_tier_and_both_stay_consistent(tiny_llama
 
 def test_an_answers_first_tokens_reselect_with_their_own_queries(tiny_llama):
     tokens = tiny_llama.tokenize(sample_text())
-    eng = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True, recall_steps=5)
+    eng = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True, recall_steps=5,
+                 recall_step_candidates=0.25)
     eng.prefill(tokens[:500], probe=tokens[500:516])
     eng.append(tokens[600:620], recall=True)  # a question: it re-selects, then its answer's first 5 tokens do
     s = eng.stats
     assert s.recall_events == 1 and s.recall_steps == 0
-    in_after_question = s.recall_rows_in
+    in_after_question, scored_by_question = s.recall_rows_in, s.recall_candidates
     reply = list(eng.generate(8, stop_at_eog=False))
     assert s.recall_steps == 5 and s.recall_step_seconds > 0
+    # these steps score a quarter of a head's budget of tier rows (whole pages), the question four budgets
+    per_step = (s.recall_candidates - scored_by_question) / 5
+    heads = len(eng.layers) * tiny_llama.n_head_kv
+    assert 0 < per_step <= heads * (int(0.25 * eng.head_budget) + PAGE - 1) < scored_by_question
     assert eng.last_probe == reply[4:5]  # the last step was observed by its token's own query
     assert s.recall_rows_in > in_after_question  # the steps brought rows back
     assert eng.live_cells() <= eng.slot_cells + 4  # the budget after the last step, then reply[4:8] decoded

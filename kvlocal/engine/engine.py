@@ -62,7 +62,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, observation_window, plan_layers
-from kvlocal.engine.config import OBSERVE_EVERY, PLAN_WORKERS, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
+from kvlocal.engine.config import OBSERVE_EVERY, PLAN_WORKERS, RECALL_STEP_CANDIDATES, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
 from kvlocal.engine.interrupts import interrupts_deferred
 from kvlocal.engine.observation import Observations, Rope
 from kvlocal.engine.positions import reposition
@@ -110,6 +110,7 @@ class Engine:
         recall_span: str = "row",
         recall_candidates: float = 4.0,
         recall_steps: int = RECALL_STEPS,
+        recall_step_candidates: float = RECALL_STEP_CANDIDATES,
         observe_every: int = OBSERVE_EVERY,
     ):
         budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
@@ -177,6 +178,8 @@ class Engine:
         if recall_steps < 0:
             raise UsageError(f"recall_steps {recall_steps} must be >= 0 (0: only the question re-selects)")
         self.recall_steps = int(recall_steps)
+        # a step's one query scores fewer tier rows, so it displaces at most that many of the question's choice
+        self.recall_step_candidates = float(recall_step_candidates)
         self._answering = False  # the tokens generated now answer a question that re-selected the cache
         self.tier = HostTier(len(self.layers), m.n_head_kv, row_format(type_k, m.arch.head_dim_k),
                              row_format(type_v, m.arch.head_dim_v), m.arch.head_dim_k, recall_mem,
@@ -510,7 +513,7 @@ class Engine:
             return 0
         self._check_usable()
         t0 = time.perf_counter()
-        moved = self._reselect(*self._observe(self._probe_tokens(probe)))
+        moved = self._reselect(*self._observe(self._probe_tokens(probe)), self.recall_candidates)
         self.stats.recall_events += 1
         self.stats.recall_seconds += time.perf_counter() - t0
         return moved
@@ -523,17 +526,17 @@ class Engine:
         if self.tier.n_rows == 0:
             return 0
         t0 = time.perf_counter()
-        moved = self._reselect(*self._observe([tok]))
+        moved = self._reselect(*self._observe([tok]), self.recall_step_candidates)
         self.stats.recall_steps += 1
         self.stats.recall_step_seconds += time.perf_counter() - t0
         return moved
 
-    def _reselect(self, q: list[np.ndarray], q_pos: np.ndarray) -> int:
-        """Score the device cells and the tier's best candidates for the observation ``q`` at ``q_pos``
-        together, and swap; returns the rows brought back."""
+    def _reselect(self, q: list[np.ndarray], q_pos: np.ndarray, candidates: float) -> int:
+        """Score the device cells and the tier's best candidates (``candidates`` × the head budget of rows) for
+        the observation ``q`` at ``q_pos`` together, and swap; returns the rows brought back."""
         w = observation_window(self.scorer) or len(q_pos)
         cands = choose_candidates(self.tier, [self.basis.queries(qi[:, -w:] * self._q_scale) for qi in q],
-                                  int(self.recall_candidates * self.head_budget))
+                                  max(1, int(candidates * self.head_budget)))
         if cands.width == 0:
             return 0
         before = self.tier.rows_in
