@@ -60,3 +60,21 @@ def test_recall_cost_counts_the_question_and_the_answer_steps(smollm2):
     assert 0 < row["steps"] <= row["answer_tokens"] <= 16  # an end-of-generation token is not a step
     assert row["question_seconds"] > 0 and row["step_seconds"] > 0 and row["prefill_seconds"] > 0
     assert row["rows_in"] > 0 and row["candidates"] > 0 and row["host_tier_bytes"] > 0
+
+
+def test_backends_side_by_side_on_a_quantized_cache(smollm2):
+    """`kvlocal bench --cache q8_0`: the full q8_0 cache against the method on it on both backends (patch 0016);
+    native copies no K/V to the host, state reads the cache out and back at every event."""
+    r = run_cli("bench", str(smollm2), "--long", "600", "--decode", "2", "--budget", "100", "--cache", "q8_0",
+                "--backends", "native", "state", "-t", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    native, state = out["backends"]["native"], out["backends"]["state"]
+    assert native["run"]["backend"] == "native" and state["run"]["backend"] == "state"
+    assert native["run"]["compression_events"] == state["run"]["compression_events"] > 0
+    assert native["run"]["kv_bytes_allocated"] == state["run"]["kv_bytes_allocated"] < out["full"]["kv_bytes_allocated"]
+    assert native["host_kv_bytes"] == 0 < state["host_kv_bytes"]
+    f16 = run_cli("bench", str(smollm2), "--long", "600", "--decode", "2", "--budget", "100", "--backends", "state",
+                  "-t", "2", "--json")
+    assert json.loads(f16.stdout)["full"]["kv_bytes_allocated"] > out["full"]["kv_bytes_allocated"]  # q8_0: fewer bytes
+    assert_usage_error(run_cli("bench", str(smollm2), "--cache", "q3_k"), "--cache")

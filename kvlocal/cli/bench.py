@@ -28,7 +28,7 @@ from importlib import resources
 
 from kvlocal.engine import RECALL_STEPS, Budget, Engine
 from kvlocal.errors import UsageError
-from kvlocal.runtime import Model, cache_type, resolve_backend
+from kvlocal.runtime import CACHE_TYPES, Model, cache_type, resolve_backend
 
 
 def long_text(model: Model, n_tokens: int) -> list[int]:
@@ -71,6 +71,8 @@ def run(args) -> int:
         raise UsageError(f"-t/--threads {args.threads}: give at least 1 (default: the cores, at most 8)")
     if args.n_gpu_layers < -1:
         raise UsageError(f"-ngl/--n-gpu-layers {args.n_gpu_layers}: give a number of layers, 0 for none or -1 for all")
+    if args.cache not in CACHE_TYPES:
+        raise UsageError(f"--cache {args.cache!r}: choose one of {', '.join(CACHE_TYPES)}")
     if args.overhead and (min(args.chunks) < 1 or min(args.observe_every) < 1):
         raise UsageError("--chunks and --observe-every: give whole numbers of at least 1")
     model = Model(args.model_path, n_gpu_layers=args.n_gpu_layers)
@@ -90,12 +92,12 @@ def run(args) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     n = 1 + len(backends)
-    log(f"[1/{n}] full cache, {len(long)}-token prompt + {args.decode} decoded")
-    full = measure(model, long, "full", "1", args.decode, args.threads)
+    log(f"[1/{n}] full {args.cache} cache, {len(long)}-token prompt + {args.decode} decoded")
+    full = measure(model, long, "full", "1", args.decode, args.threads, cache=args.cache)
     runs = {}
     for i, backend in enumerate(backends, 2):
         log(f"[{i}/{n}] {args.method} at budget {args.budget} on the {backend} backend, same prompt")
-        runs[backend] = measure(model, long, args.method, args.budget, args.decode, args.threads, backend)
+        runs[backend] = measure(model, long, args.method, args.budget, args.decode, args.threads, backend, cache=args.cache)
     result = {
         "full": full,
         "backends": {b: {"kv_bytes_ratio": r["kv_bytes_allocated"] / full["kv_bytes_allocated"],
@@ -108,7 +110,7 @@ def run(args) -> int:
         return 0
     mib = 2**20
     print(f"model {model.path.name} · method {args.method} · budget {args.budget} · {len(long):,}-token prompt · "
-          f"threads {args.threads or 'default'}")
+          f"{args.cache} K+V cache · threads {args.threads or 'default'}")
     print(f"{'':34}{'full':>12}" + "".join(f"{b:>14}" for b in backends) + "  target")
     res = result["backends"]
 
@@ -299,6 +301,9 @@ def add_arguments(p) -> None:
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
     p.add_argument("--backends", nargs="+", choices=("native", "state"), default=None,
                    help="the KV backends to run the compressed prompt on (default: native and state where both run)")
+    p.add_argument("--cache", default="f16", metavar="TYPE",
+                   help="the K and V cache type of the full and the compressed runs (llama.cpp's -ctk/-ctv names: "
+                        "f16, q8_0, q4_0, ...; default f16)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--recall-cost", action="store_true",
                    help="measure one question's re-selection by the recall tier against the document's prefill, "
