@@ -302,8 +302,9 @@ def add_arguments(p) -> None:
     p.add_argument("--backends", nargs="+", choices=("native", "state"), default=None,
                    help="the KV backends to run the compressed prompt on (default: native and state where both run)")
     p.add_argument("--cache", default="f16", metavar="TYPE",
-                   help="the K and V cache type of the full and the compressed runs (llama.cpp's -ctk/-ctv names: "
-                        "f16, q8_0, q4_0, ...; default f16)")
+                   help="the K and V cache type of the full and the compressed runs side by side (llama.cpp's "
+                        "-ctk/-ctv names: f16, q8_0, q4_0, ...; default f16); --frontier has its own q8_0 and q4_0 "
+                        "rows, --recall-cost and --overhead run on f16")
     p.add_argument("--json", action="store_true")
     p.add_argument("--recall-cost", action="store_true",
                    help="measure one question's re-selection by the recall tier against the document's prefill, "

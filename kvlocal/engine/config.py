@@ -114,10 +114,12 @@ PLAN_WORKERS = 4
 # an answer's first tokens that re-select the cache with their own query after the question did (the recall tier;
 # docs/recall.md § Choices: on the development chat 4, 10 and 32 steps found 13, 15 and 15 of 24 facts, none 8)
 RECALL_STEPS = 16
-# tier rows a step scores, as a multiple of the head budget, as a question's (a step displaces at most that many of
-# the question's rows). A quarter was tried: 40% less step time, the same facts on the development chat, one chat
-# question fewer on the reported eval (docs/recall.md § Choices)
-RECALL_STEP_CANDIDATES = 4.0
+# tier rows a question scores exactly, as a multiple of the head budget (the best pages by bound; docs/recall.md
+# § Choices: one budget found 1 of 6 facts, four 5 of 6, every row the same 5)
+RECALL_CANDIDATES = 4.0
+# and an answer step, as a question (a step displaces at most that many of the question's rows). A quarter was
+# tried: 40% less step time, the same facts on the development chat, fewer on the reported eval (§ Choices)
+RECALL_STEP_CANDIDATES = RECALL_CANDIDATES
 
 
 @dataclass

@@ -62,7 +62,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, observation_window, plan_layers
-from kvlocal.engine.config import OBSERVE_EVERY, PLAN_WORKERS, RECALL_STEP_CANDIDATES, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
+from kvlocal.engine.config import OBSERVE_EVERY, PLAN_WORKERS, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
 from kvlocal.engine.interrupts import interrupts_deferred
 from kvlocal.engine.observation import Observations, Rope
 from kvlocal.engine.positions import reposition
@@ -108,7 +108,7 @@ class Engine:
         recall_mem: int | None = None,
         recall_dir: str | None = None,
         recall_span: str = "row",
-        recall_candidates: float = 4.0,
+        recall_candidates: float = RECALL_CANDIDATES,
         recall_steps: int = RECALL_STEPS,
         recall_step_candidates: float = RECALL_STEP_CANDIDATES,
         observe_every: int = OBSERVE_EVERY,
