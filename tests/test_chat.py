@@ -121,8 +121,7 @@ def test_a_chat_runs_past_the_trained_context(smollm2_model):
     without them at this budget: docs/chat.md.)"""
     key = "58213"
     doc = LICENSE[:11000] + f"\n\nThe pass key is {key}. Remember it: the pass key is {key}.\n\n" + LICENSE[11000:14000]
-    # recall off: this is about positions (an endless chat clears the recall tier when it moves them, and with
-    # recall on this reply lost the key's last digit: docs/recall.md)
+    # recall off: this is about positions (the recall tier through the moves: the next test)
     with Chat(smollm2_model, budget=400, recall=False) as chat:
         chat.engine.position_limit = 1200
         moves = []
@@ -136,6 +135,26 @@ def test_a_chat_runs_past_the_trained_context(smollm2_model):
         key_at = len(chat.model.tokenize(LICENSE[:11000], add_special=False))
         moves_when_key_read = next(n for done, n in moves if done >= key_at + 30)
         assert e.stats.repositions > moves_when_key_read  # the key's cells were moved at least once
+        assert key in reply, reply
+
+
+def test_the_recall_tier_follows_positions_moved_back(smollm2_model):
+    """The same chat with recall on: the moves keep the tier's latest history (turned to its new positions)
+    instead of clearing it, and the question brings the key's rows back from it — with the tier cleared at
+    each move (kvlocal before 2026-12-03) this reply lost the key's last digit."""
+    key = "58213"
+    doc = LICENSE[:11000] + f"\n\nThe pass key is {key}. Remember it: the pass key is {key}.\n\n" + LICENSE[11000:14000]
+    with Chat(smollm2_model, budget=400, recall=True) as chat:
+        e = chat.engine
+        e.position_limit = 1200
+        moves = []
+        chat.read(doc, progress=lambda done, total: moves.append((done, e.stats.repositions)))
+        key_at = len(chat.model.tokenize(LICENSE[:11000], add_special=False))
+        assert e.stats.repositions > next(n for done, n in moves if done >= key_at + 30)  # moves after the key
+        assert e.tier.n_rows > 0 and e.stats.recall_dropped_rows > 0  # and older history was let go
+        rows_in = e.tier.rows_in
+        reply = chat.ask("What is the pass key?", 16)
+        assert e.tier.rows_in > rows_in and e.n_past <= 1200
         assert key in reply, reply
 
 

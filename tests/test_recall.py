@@ -139,6 +139,80 @@ def test_a_restored_snapshot_forgets_the_undone_rows(tiny_llama):
             assert set(s.pos[:s.n][s.on_device[:s.n]].tolist()) == set(rows) & set(s.pos[:s.n].tolist())
 
 
+@pytest.fixture(scope="module")
+def tiny_llama64(tmp_path_factory) -> Model:
+    """Heads of 64 dimensions: whole q8_0 blocks, and llama.cpp's Hadamard rotation of a quantized K."""
+    return Model(tiny_gguf.write_tiny(tmp_path_factory.mktemp("tiny64") / "llama.gguf", arch="llama", head_dim=64))
+
+
+@pytest.mark.parametrize("cache", ["f16", "q8_0"])
+def test_moving_positions_back_keeps_the_tiers_latest_history(tiny_llama64, cache):
+    """An endless chat moves its positions back under the trained context: the tier keeps the latest history
+    that fits (it is not cleared), renumbered with the cells — per head, tier and device rows distinct, the
+    tier in order, all below n_past — and its keys turned by RoPE exactly as llama.cpp's K-shift turns the
+    cells' (measured on the device rows); the same on both backends, and a question then finds rows in it."""
+    from kvlocal.engine.positions import reposition
+
+    model, t = tiny_llama64, {"f16": 1, "q8_0": 8}[cache]
+    tokens = model.tokenize(sample_text())
+    tiers = {}
+    for backend in ("state", "native"):
+        eng = Engine(model, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True, endless=True,
+                     type_k=t, type_v=t, backend=backend)
+        eng.prefill(tokens[:600], probe=tokens[600:616])
+        tier, basis, rope = eng.tier, eng.basis, eng.observations.rope
+        before = [[(s.pos[:s.n].copy(), s.on_device[:s.n].copy(), s.rows(np.arange(s.n))[0]) for s in layer]
+                  for layer in tier.heads]
+        read0 = eng.kv.read() if backend == "state" else None
+        eng.position_limit = eng.n_past  # the next token would pass it
+        reposition(eng, 1)
+        list(eng.generate(1, stop_at_eog=False))  # llama.cpp turns the moved cells' keys at this decode
+        assert eng.stats.repositions == 1 and eng.n_past <= 0.75 * 600 + 1
+        read1 = eng.kv.read()
+        kept_old, dropped_old = [], []
+        for l, layer in enumerate(tier.heads):
+            for h, s in enumerate(layer):
+                pos0, on0, k0 = before[l][h]
+                off = np.flatnonzero(~on0)
+                off = off[np.argsort(pos0[off])]
+                n = s.n
+                kept, gone = off[len(off) - n:], off[:len(off) - n]  # the latest of each head's rows stay
+                kept_old.append(pos0[kept]), dropped_old.append(pos0[gone])
+                pos1 = s.pos[:n]
+                assert np.all(np.diff(pos1) > 0) and pos1.max(initial=-1) < eng.n_past
+                assert not np.isin(pos1, read1.true[l, h]).any() and not s.on_device[:n].any()
+                # each kept key turned by its own move (the turn is checked against llama.cpp below)
+                want = basis.keys(basis.turn_keys(k0[kept], lambda x: rope.rotate(x, pos1 - pos0[kept]))[0])
+                np.testing.assert_allclose(basis.keys(s.rows(np.arange(n))[0]), want, atol=1e-6)
+                q = np.random.default_rng(l * 7 + h).standard_normal((3, basis.keys(k0[:1]).shape[-1])).astype(np.float32)
+                keys = basis.keys(s.rows(np.arange(n))[0])
+                bound = s.page_bounds(q)
+                assert np.all((q @ keys.T).max(axis=0) <= np.repeat(bound, PAGE)[:n] + 1e-4)  # fresh page bounds
+        kept_old, dropped_old = np.concatenate(kept_old), np.concatenate(dropped_old)
+        assert len(kept_old) > 0 and len(dropped_old) > 0 and dropped_old.max() < kept_old.min()
+        if read0 is not None:  # Rope.rotate is llama.cpp's K-shift: every moved device key, as the cache holds it
+            o0, o1 = np.argsort(read0.pos), np.argsort(read1.pos)[:read0.n]
+            delta = read1.pos[o1] - read0.pos[o0]
+            assert (delta != 0).mean() > 0.5
+            for l in range(len(eng.layers)):
+                k0, k1 = basis.keys(read0.kv.k[l][o0]), basis.keys(read1.kv.k[l][o1])
+                turned = basis.keys(basis.turn_keys(read0.kv.k[l][o0], lambda x: rope.rotate(x, delta[:, None]))[0])
+                tol = 2e-3 if cache == "f16" else 0.02 * np.abs(k1).max()
+                np.testing.assert_allclose(turned, k1, atol=tol)
+                assert np.abs(k0 - k1).max() > 20 * tol  # the keys did move
+        rows_in = tier.rows_in
+        eng.recall(tokens[700:716])
+        assert tier.rows_in > rows_in
+        for l, heads in enumerate(device_rows(eng) if backend == "state" else []):
+            for h, rows in enumerate(heads):
+                s = tier.heads[l][h]
+                assert np.array_equal(s.on_device[:s.n], np.isin(s.pos[:s.n], list(rows))), (l, h)
+        tiers[backend] = tier.to_arrays()
+    for name, a in tiers["state"].items():  # the norms: numpy's on one, the device's on the other
+        check = np.testing.assert_allclose if name == "tier_vnorm" else np.testing.assert_array_equal
+        check(a, tiers["native"][name], err_msg=name, **({"rtol": 1e-5} if name == "tier_vnorm" else {}))
+
+
 def test_recall_refusals_and_defaults(tiny_llama):
     with pytest.raises(UsageError, match="merged row"):
         Engine(tiny_llama, 64, "kvslimmer", max_tokens=500, recall=True)

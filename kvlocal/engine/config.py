@@ -71,6 +71,7 @@ class EngineStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     repositions: int = 0  # times an endless session moved its positions back into the trained range
+    reposition_seconds: float = 0.0  # their time on the host (the recall tier's keys turned included)
     host_tier_bytes: int = 0  # the recall tier's host memory: evicted rows (RAM and --recall-dir file) and page bounds
     recall_events: int = 0  # re-selections for a new question
     recall_seconds: float = 0.0  # their time (the question's probe decode included)

@@ -390,7 +390,7 @@ class Engine:
     def _fit_positions(self, n: int) -> bool:
         """Endless sessions: if the next n positions would pass the trained context, reposition first."""
         if self.endless and self.n_past + n > self.position_limit:
-            reposition(self)
+            reposition(self, n)
             return True
         return False
 

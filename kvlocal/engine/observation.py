@@ -51,10 +51,16 @@ class Rope:
         theta = delta * self.freq_scale * self.base ** (-np.arange(self.n_rot // 2, dtype=np.float64) * 2 / self.n_rot)
         return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
 
-    def rotate(self, x: np.ndarray, delta: int) -> np.ndarray:
-        """``x [..., d]`` (post-RoPE vectors) turned ``delta`` positions further."""
+    def rotate(self, x: np.ndarray, delta) -> np.ndarray:
+        """``x [..., d]`` (post-RoPE vectors) turned ``delta`` positions further: one delta for all, or one
+        per row (``delta [...]``, the shape of ``x`` without its last axis)."""
         half = self.n_rot // 2
-        cos, sin = self._turn(int(delta))
+        if np.ndim(delta) == 0:
+            cos, sin = self._turn(int(delta))
+        else:
+            theta = (np.asarray(delta, np.float64)[..., None] * self.freq_scale
+                     * self.base ** (-np.arange(half, dtype=np.float64) * 2 / self.n_rot))
+            cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
         out = np.array(x, dtype=np.float32, copy=True)
         if self.kind == "norm":
             x0, x1 = x[..., 0:self.n_rot:2], x[..., 1:self.n_rot:2]

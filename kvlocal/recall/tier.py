@@ -240,11 +240,16 @@ class HostTier:
             s.vnorm[have[back][known]] = vnorm[back][known]
         new = np.flatnonzero(~back)
         self.rows_out += len(new)
+        self._store(s, pos[new], k[new], v[new], keys[new], vnorm[new])
+
+    def _store(self, s: HeadStore, pos: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray,
+               vnorm: np.ndarray) -> None:
+        """Append rows to a head's store, off the device (what its chunks cannot take is dropped and counted)."""
         room = len(s.chunks) * CHUNK - s.n
-        if len(new) > room:
-            self.dropped_rows += len(new) - room
-            new = new[:room]
-        m = len(new)
+        if len(pos) > room:
+            self.dropped_rows += len(pos) - room
+            pos, k, v, keys, vnorm = pos[:room], k[:room], v[:room], keys[:room], vnorm[:room]
+        m = len(pos)
         if m == 0:
             return
         ids = np.arange(s.n, s.n + m)
@@ -253,10 +258,10 @@ class HostTier:
         for ci in np.unique(c):
             sel = c == ci
             ck, cv = s.chunks[ci]
-            ck[r[sel]], cv[r[sel]] = k[new[sel]], v[new[sel]]
-        s.pos[ids], s.vnorm[ids], s.on_device[ids] = pos[new], vnorm[new], False
+            ck[r[sel]], cv[r[sel]] = k[sel], v[sel]
+        s.pos[ids], s.vnorm[ids], s.on_device[ids] = pos, vnorm, False
         first_page, last_page = s.n // PAGE, (s.n + m - 1) // PAGE
-        keys = np.asarray(keys[new], dtype=np.float32)
+        keys = np.asarray(keys, dtype=np.float32)
         for p in range(first_page, last_page + 1):
             lo, hi = max(p * PAGE, s.n), min((p + 1) * PAGE, s.n + m)
             block = keys[lo - s.n:hi - s.n]
@@ -339,6 +344,21 @@ class HostTier:
         for l, layer in enumerate(self.heads):
             for h, s in enumerate(layer):
                 s.n = min(s.n, int(mark[l, h]))
+
+    def renumber(self, layer: int, head: int, ids: np.ndarray, pos: np.ndarray, turn_keys) -> None:
+        """Positions moved back (an endless chat, :func:`kvlocal.engine.positions.reposition`): a head keeps
+        only its rows ``ids``, now at positions ``pos`` (increasing), each key turned by its move
+        (``turn_keys(k rows, delta)`` → ``(k rows, float32 keys in the stored basis)``), stored again in
+        position order with fresh page bounds. The others are forgotten; those off the device count as dropped."""
+        s = self.heads[layer][head]
+        ids, pos = np.asarray(ids, dtype=np.int64), np.asarray(pos, dtype=np.int64)
+        self.dropped_rows += int((~s.on_device[:s.n]).sum() - (~s.on_device[ids]).sum())
+        k, v = s.rows(ids)
+        k, keys = turn_keys(k, pos - s.pos[ids])
+        vnorm, flags = s.vnorm[ids].copy(), s.on_device[ids].copy()
+        s.n = 0
+        self._store(s, pos, k, v, keys, vnorm)
+        s.on_device[:len(ids)] = flags
 
     def clear(self) -> int:
         """Forget every row (their chunks are kept for reuse); returns how many were off the device."""

@@ -188,6 +188,19 @@ class CacheBasis:
         """Model queries ``[..., d]`` → the basis the keys are stored in."""
         return rotate(q, self.k_rot) if self.k_rot else q
 
+    def turn_keys(self, rows: np.ndarray, turn) -> tuple[np.ndarray, np.ndarray]:
+        """Key rows ``[m, d or bytes]`` with their keys changed by ``turn`` (float32 keys as the model computed
+        them → float32; RoPE moved to new positions): ``(rows in the cache's format, float32 keys in the stored
+        basis)``. A quantized row is decoded, rotated back, turned, rotated and quantized again, as llama.cpp's
+        K-shift does on a quantized cache."""
+        if self.k_codec is None:
+            out = turn(as_f32(rows)).astype(rows.dtype)
+            return out, as_f32(out)
+        k = self.k_codec.decode(rows)
+        k = turn(rotate(k, self.k_rot) if self.k_rot else k)
+        raw = self.k_codec.encode(rotate(k, self.k_rot) if self.k_rot else k)
+        return raw, self.k_codec.decode(raw)
+
     def values(self, rows: np.ndarray) -> np.ndarray:
         """Cache rows → float32 values as the model computed them (rotated back), for ``‖v·W_O‖₁``."""
         if self.v_codec is None:
