@@ -78,3 +78,5 @@ def test_backends_side_by_side_on_a_quantized_cache(smollm2):
                   "-t", "2", "--json")
     assert json.loads(f16.stdout)["full"]["kv_bytes_allocated"] > out["full"]["kv_bytes_allocated"]  # q8_0: fewer bytes
     assert_usage_error(run_cli("bench", str(smollm2), "--cache", "q3_k"), "--cache")
+    for mode in ("--frontier", "--recall-cost", "--overhead"):  # they run on f16: refused, not ignored
+        assert_usage_error(run_cli("bench", str(smollm2), mode, "--cache", "q8_0"), mode)

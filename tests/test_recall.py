@@ -87,7 +87,7 @@ def test_a_question_swaps_rows_with_the_tier_and_both_stay_consistent(tiny_llama
 def test_an_answers_first_tokens_reselect_with_their_own_queries(tiny_llama):
     tokens = tiny_llama.tokenize(sample_text())
     eng = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True, recall_steps=5,
-                 recall_step_candidates=0.25)
+                 recall_step_candidates=0.25, recall_step_confidence=1.0)
     eng.prefill(tokens[:500], probe=tokens[500:516])
     eng.append(tokens[600:620], recall=True)  # a question: it re-selects, then its answer's first 5 tokens do
     s = eng.stats
@@ -120,6 +120,27 @@ def test_an_answers_first_tokens_reselect_with_their_own_queries(tiny_llama):
     assert off.stats.recall_events == 1 and off.stats.recall_steps == 0
     with pytest.raises(UsageError, match="recall_steps"):
         Engine(tiny_llama, 64, "criticalkv", max_tokens=500, recall=True, recall_steps=-1)
+
+
+def test_a_confident_step_keeps_its_decode_and_swaps_nothing(tiny_llama):
+    """A step whose decode already predicts the next token above ``recall_step_confidence`` is the token's
+    decode: nothing swapped, nothing decoded twice — at 0 every step is, and the answer is exactly the one
+    without steps; at 1 none is. What the threshold costs and finds: docs/recall.md § Choices."""
+    tokens = tiny_llama.tokenize(sample_text())
+    replies, stats = {}, {}
+    for name, kw in {"no steps": dict(recall_steps=0), "all confident": dict(recall_step_confidence=0.0),
+                     "none confident": dict(recall_step_confidence=1.0)}.items():
+        eng = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True, **kw)
+        eng.prefill(tokens[:500], probe=tokens[500:516])
+        eng.append(tokens[600:620], recall=True)
+        rows_in = eng.stats.recall_rows_in
+        replies[name] = list(eng.generate(8, stop_at_eog=False))
+        stats[name] = (eng.stats.recall_steps, eng.stats.recall_steps_confident, eng.stats.recall_rows_in - rows_in,
+                       eng.n_past, len(eng.kv.positions()))
+    assert stats["all confident"] == (8, 8, 0) + stats["no steps"][3:]  # each token decoded once, its cell kept
+    assert replies["all confident"] == replies["no steps"]
+    steps, confident, rows_in, n_past, _ = stats["none confident"]
+    assert steps == 8 and confident == 0 and rows_in > 0 and n_past == stats["no steps"][3]
 
 
 def test_a_restored_snapshot_forgets_the_undone_rows(tiny_llama):

@@ -73,6 +73,12 @@ def run(args) -> int:
         raise UsageError(f"-ngl/--n-gpu-layers {args.n_gpu_layers}: give a number of layers, 0 for none or -1 for all")
     if args.cache not in CACHE_TYPES:
         raise UsageError(f"--cache {args.cache!r}: choose one of {', '.join(CACHE_TYPES)}")
+    mode = next((f for f, on in (("--frontier", args.frontier), ("--recall-cost", args.recall_cost),
+                                 ("--overhead", args.overhead)) if on), None)
+    if mode and args.cache != "f16":
+        raise UsageError(f"--cache applies to the side-by-side run only: {mode} runs on f16"
+                         + (" (and has its own q8_0 and q4_0 rows)" if mode == "--frontier" else "")
+                         + ": leave --cache out")
     if args.overhead and (min(args.chunks) < 1 or min(args.observe_every) < 1):
         raise UsageError("--chunks and --observe-every: give whole numbers of at least 1")
     model = Model(args.model_path, n_gpu_layers=args.n_gpu_layers)
@@ -266,6 +272,7 @@ def run_recall_cost(args, model: Model) -> int:
             seconds = s.recall_seconds + s.recall_step_seconds
             rows.append(dict(tokens=n, backend=backend, prefill_seconds=s.prefill_seconds,
                              question_seconds=s.recall_seconds, steps=s.recall_steps, step_seconds=s.recall_step_seconds,
+                             confident_steps=s.recall_steps_confident,
                              answer_tokens=answer, answer_seconds=s.decode_seconds - decode0, recall_seconds=seconds,
                              share=seconds / s.prefill_seconds, rows_in=s.recall_rows_in - in0,
                              rows_out=s.recall_rows_out - out0, candidates=s.recall_candidates,
@@ -276,16 +283,17 @@ def run_recall_cost(args, model: Model) -> int:
     if _json_or_title(args, model, "recall", rows, f"one question after the document, {RECALL_STEPS} answer tokens"):
         return 0
     mib = 2**20
-    print(f"{'tokens':>8} {'backend':>8} {'budget':>7} {'prefill s':>10} {'question s':>11} {'steps':>6} {'steps s':>8} "
+    print(f"{'tokens':>8} {'backend':>8} {'budget':>7} {'prefill s':>10} {'question s':>11} {'steps':>6} {'sure':>5} {'steps s':>8} "
           f"{'share':>7} {'scored':>8} {'rows in':>8} {'rows out':>9} {'tier MiB':>9} {'KV MiB':>7} {'copied MiB':>11}"
           f"   target: share <= 3%")
     for r in rows:
         print(f"{r['tokens']:>8,} {r['backend']:>8} {r['budget_cells']:>7,} {r['prefill_seconds']:>10.1f} "
-              f"{r['question_seconds']:>11.2f} {r['steps']:>6} {r['step_seconds']:>8.2f} {100 * r['share']:>6.2f}% "
+              f"{r['question_seconds']:>11.2f} {r['steps']:>6} {r['confident_steps']:>5} {r['step_seconds']:>8.2f} {100 * r['share']:>6.2f}% "
               f"{r['candidates']:>8,} {r['rows_in']:>8,} {r['rows_out']:>9,} {r['host_tier_bytes'] / mib:>9.1f} "
               f"{r['kv_bytes_allocated'] / mib:>7.1f} {r['recall_host_kv_bytes'] / mib:>11.1f}")
     print("question s: the question's re-selection (its probe decode included); steps: the answer's tokens that "
-          "re-selected with their own query; share: both, of the prefill; copied: K/V bytes they moved between "
+          "re-selected with their own query (sure: of them, those whose decode predicted the next token confidently "
+          "and was kept: no swap, their time is decoding's); steps s: the others' time; share: both, of the prefill; copied: K/V bytes they moved between "
           "llama.cpp and the host (state: the cache out and back each time; native: only the rows brought back in "
           "and the evicted rows out)")
     return 0
@@ -303,8 +311,8 @@ def add_arguments(p) -> None:
                    help="the KV backends to run the compressed prompt on (default: native and state where both run)")
     p.add_argument("--cache", default="f16", metavar="TYPE",
                    help="the K and V cache type of the full and the compressed runs side by side (llama.cpp's "
-                        "-ctk/-ctv names: f16, q8_0, q4_0, ...; default f16); --frontier has its own q8_0 and q4_0 "
-                        "rows, --recall-cost and --overhead run on f16")
+                        "-ctk/-ctv names: f16, q8_0, q4_0, ...; default f16); refused with --frontier (it has its own "
+                        "q8_0 and q4_0 rows), --recall-cost and --overhead (they run on f16)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--recall-cost", action="store_true",
                    help="measure one question's re-selection by the recall tier against the document's prefill, "

@@ -169,7 +169,8 @@ class Repl:
                             + f"; {e.backend} backend, {e.host_kv_bytes / mib:,.1f} MiB of K/V copied to the host"),
             ("recall", (f"tier {e.host_tier_bytes / mib:,.1f} MiB of host memory, {e.recall_rows_out:,} rows out, "
                         f"{e.recall_rows_in:,} brought back by {e.recall_events} questions ({e.recall_seconds:.2f} s) "
-                        f"and {e.recall_steps} answer tokens ({e.recall_step_seconds:.2f} s)"
+                        f"and {e.recall_steps - e.recall_steps_confident} of {e.recall_steps} answer tokens "
+                        f"({e.recall_step_seconds:.2f} s; the others' decodes were sure)"
                         + (f", {e.recall_dropped_rows:,} dropped (--recall-mem)" if e.recall_dropped_rows else ""))
                        if self.chat.engine.tier is not None else "off"),
             ("speed", f"last turn: prompt {s.prompt_tokens_per_s:,.1f} t/s, gen {s.gen_tokens_per_s:,.1f} t/s; "

@@ -76,7 +76,8 @@ class EngineStats:
     recall_events: int = 0  # re-selections for a new question
     recall_seconds: float = 0.0  # their time (the question's probe decode included)
     recall_steps: int = 0  # re-selections at an answer's first tokens (``recall_steps`` of them per answer)
-    recall_step_seconds: float = 0.0  # their time (each token's probe decode included)
+    recall_step_seconds: float = 0.0  # the time of those that swapped (each token's probe decode included)
+    recall_steps_confident: int = 0  # of them, decodes that predicted the next token confidently: kept, no swap
     recall_candidates: int = 0  # tier rows scored by re-selections (the best pages' rows)
     recall_rows_in: int = 0  # rows brought back to the device
     recall_rows_out: int = 0  # rows the tier took (each row once: one brought back and evicted again costs nothing)
@@ -121,6 +122,9 @@ RECALL_CANDIDATES = 4.0
 # and an answer step, as a question (a step displaces at most that many of the question's rows). A quarter was
 # tried: 40% less step time, the same facts on the development chat, fewer on the reported eval (§ Choices)
 RECALL_STEP_CANDIDATES = RECALL_CANDIDATES
+# an answer step swaps nothing when the token's decode, before any swap, already predicts the next token with a
+# probability above this: its query found what it needs on the device (1.0: every step swaps)
+RECALL_STEP_CONFIDENCE = 1.0
 
 
 @dataclass

@@ -62,7 +62,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, observation_window, plan_layers
-from kvlocal.engine.config import OBSERVE_EVERY, PLAN_WORKERS, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
+from kvlocal.engine.config import OBSERVE_EVERY, PLAN_WORKERS, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
 from kvlocal.engine.interrupts import interrupts_deferred
 from kvlocal.engine.observation import Observations, Rope
 from kvlocal.engine.positions import reposition
@@ -111,6 +111,7 @@ class Engine:
         recall_candidates: float = RECALL_CANDIDATES,
         recall_steps: int = RECALL_STEPS,
         recall_step_candidates: float = RECALL_STEP_CANDIDATES,
+        recall_step_confidence: float = RECALL_STEP_CONFIDENCE,
         observe_every: int = OBSERVE_EVERY,
     ):
         budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
@@ -180,6 +181,8 @@ class Engine:
         self.recall_steps = int(recall_steps)
         # a step's one query scores fewer tier rows, so it displaces at most that many of the question's choice
         self.recall_step_candidates = float(recall_step_candidates)
+        # a step whose decode already predicts the next token this surely keeps that decode and swaps nothing
+        self.recall_step_confidence = float(recall_step_confidence)
         self._answering = False  # the tokens generated now answer a question that re-selected the cache
         self.tier = HostTier(len(self.layers), m.n_head_kv, row_format(type_k, m.arch.head_dim_k),
                              row_format(type_v, m.arch.head_dim_v), m.arch.head_dim_k, recall_mem,
@@ -282,11 +285,11 @@ class Engine:
             if self.live_cells() + 1 > self.ctx.n_ctx - self._reserve():
                 self._compress(self.decode_probe())
             eog = self.model.is_eog(tok)
-            if self._answering and len(self._reply) < self.recall_steps and not eog:
-                self._recall_step(tok)
-            with self._rollback():
-                self.logits = self._decode([tok], [self.n_past], "last")
-                self.n_past += 1
+            decoded = self._answering and len(self._reply) < self.recall_steps and not eog and self._recall_step(tok)
+            if not decoded:
+                with self._rollback():
+                    self.logits = self._decode([tok], [self.n_past], "last")
+                    self.n_past += 1
             self.last_token = tok
             self._reply.append(tok)
             self._note_live()
@@ -518,18 +521,38 @@ class Engine:
         self.stats.recall_seconds += time.perf_counter() - t0
         return moved
 
-    def _recall_step(self, tok: int) -> int:
+    def _recall_step(self, tok: int) -> bool:
         """Before an answer's token ``tok`` is decoded: re-select with its own query, the one that predicts
         the next token (Quest's per-step selection, as a swap). The question's queries choose what the
         answer starts from; a fact's later tokens (a code's next digit) are found by the query that copies
-        them. One token's probe decode and one re-selection; counted in ``recall_steps``."""
+        them. ``tok`` is decoded with its query captured; if that decode already predicts the next token
+        with a probability above ``recall_step_confidence`` it is kept as the token's decode (no swap:
+        returns True), else it is removed, the cache re-selected, and the caller decodes ``tok`` again.
+        Counted in ``recall_steps`` (``recall_steps_confident``); ``recall_step_seconds`` is the time of the
+        steps that swapped (a kept decode is the token's own: decoding time)."""
         if self.tier.n_rows == 0:
-            return 0
+            return False
         t0 = time.perf_counter()
-        moved = self._reselect(*self._observe([tok]), self.recall_step_candidates)
+        p0 = self.n_past
+        with self._rollback():
+            self.capture.arm(1)
+            try:
+                logits = self._decode([tok], [p0], "last")
+            finally:
+                self.capture.disarm()
+            q = self.capture.take()
         self.stats.recall_steps += 1
+        if _top_probability(logits) > self.recall_step_confidence:  # the token's decode: no time of recall's
+            self.logits, self.n_past = logits, p0 + 1
+            self.stats.recall_steps_confident += 1
+            return True
+        self.ctx.remove(p0, -1)
+        q_pos = np.array([p0])
+        self.last_probe = [tok]
+        self.observations.keep([tok], q, q_pos)
+        self._reselect(q, q_pos, self.recall_step_candidates)
         self.stats.recall_step_seconds += time.perf_counter() - t0
-        return moved
+        return False
 
     def _reselect(self, q: list[np.ndarray], q_pos: np.ndarray, candidates: float) -> int:
         """Score the device cells and the tier's best candidates (``candidates`` × the head budget of rows) for
@@ -580,3 +603,9 @@ class Engine:
             t = self.tier
             s.host_tier_bytes, s.recall_rows_out, s.recall_rows_in = t.nbytes, t.rows_out, t.rows_in
             s.recall_dropped_rows = t.dropped_rows
+
+
+def _top_probability(logits: np.ndarray) -> float:
+    """The largest probability of the softmax of ``logits``."""
+    z = np.asarray(logits, dtype=np.float64)
+    return float(1.0 / np.exp(z - z.max()).sum())

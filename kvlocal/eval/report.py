@@ -15,7 +15,7 @@ from pathlib import Path
 COLUMNS = ["model", "model_sha256", "task", "method", "budget", "observation", "seed", "n_tokens", "prompt_tokens",
            "score", "full_score", "loss", "mean_kl", "kv_bytes_allocated", "kv_bytes_full", "budget_cells", "n_ctx",
            "compression_events", "prefill_seconds", "compression_seconds", "host_tier_bytes", "recall_seconds",
-           "recall_steps", "recall_step_seconds", "recall_rows_in", "seconds", "command"]
+           "recall_steps", "recall_steps_confident", "recall_step_seconds", "recall_rows_in", "seconds", "command"]
 
 
 def load(path: Path) -> list[dict]:

@@ -188,7 +188,8 @@ class Runner:
                "host_tier_bytes": max(s["host_tier_bytes"] for s in stats),
                "recall_seconds": sum(s["recall_seconds"] for s in stats),  # the questions' re-selections
                "recall_steps": sum(s["recall_steps"] for s in stats),  # and the answers' first tokens'
-               "recall_step_seconds": sum(s["recall_step_seconds"] for s in stats),
+               "recall_step_seconds": sum(s["recall_step_seconds"] for s in stats),  # of the steps that swapped
+               "recall_steps_confident": sum(s["recall_steps_confident"] for s in stats),  # kept their decode
                "recall_rows_in": sum(s["recall_rows_in"] for s in stats),
                "seconds": time.perf_counter() - t0, "items": results}
         if spec.task == "continuation":
