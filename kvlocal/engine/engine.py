@@ -70,7 +70,7 @@ from kvlocal.errors import UsageError
 from kvlocal.recall import HostTier, choose_candidates, evicted, store_evicted, with_candidates
 from kvlocal.runtime import (CacheBasis, CacheLost, CacheRead, Context, Model, QueryCapture, Sampler, bytes_per_value,
                              has_attention_bias, kv_cache_bytes, make_backend, output_projections, pad_cells,
-                             resolve_backend, row_format)
+                             resolve_backend, row_format, top_probability)
 
 # A generic observation window for when the question is not known yet (a document read before the
 # chat starts). Query-agnostic, in the spirit of KVzip's reconstruction prompt: queries that ask for
@@ -459,19 +459,24 @@ class Engine:
         self.stats.compression_breakdown["observe"] = self.stats.compression_breakdown.get("observe", 0.0) + dt
         return queries, q_pos
 
-    def _observe(self, probe: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray]:
+    def _observe(self, probe: Sequence[int], keep_if: Callable[[np.ndarray], bool] | None = None):
         """Decode the probe after the cache with query capture, then remove it. Returns per compressed
-        layer post-RoPE queries [Hq, w, d] and their positions [w]."""
+        layer post-RoPE queries [Hq, w, d] and their positions [w]. ``keep_if``: a test of the probe's last
+        logits; where it holds the probe stays — it was the next text, decoded (``n_past`` and ``logits``
+        move past it) — and None is returned."""
         p0 = self.n_past
         q_pos = np.arange(p0, p0 + len(probe))
         with self._rollback():
             self.capture.arm(len(probe))
             try:
-                self._decode(list(probe), q_pos.tolist(), "none")
+                logits = self._decode(list(probe), q_pos.tolist(), "none" if keep_if is None else "last")
             finally:
                 self.capture.disarm()
-            self.ctx.remove(p0, -1)
             queries = self.capture.take()
+            if keep_if is not None and keep_if(logits):
+                self.logits, self.n_past = logits, p0 + len(probe)
+                return None
+            self.ctx.remove(p0, -1)
         self.last_probe = list(probe)
         self.observations.keep(probe, queries, q_pos)
         return queries, q_pos
@@ -533,24 +538,12 @@ class Engine:
         if self.tier.n_rows == 0:
             return False
         t0 = time.perf_counter()
-        p0 = self.n_past
-        with self._rollback():
-            self.capture.arm(1)
-            try:
-                logits = self._decode([tok], [p0], "last")
-            finally:
-                self.capture.disarm()
-            q = self.capture.take()
         self.stats.recall_steps += 1
-        if _top_probability(logits) > self.recall_step_confidence:  # the token's decode: no time of recall's
-            self.logits, self.n_past = logits, p0 + 1
+        observed = self._observe([tok], keep_if=lambda z: top_probability(z) > self.recall_step_confidence)
+        if observed is None:  # the token's own decode: no time of recall's
             self.stats.recall_steps_confident += 1
             return True
-        self.ctx.remove(p0, -1)
-        q_pos = np.array([p0])
-        self.last_probe = [tok]
-        self.observations.keep([tok], q, q_pos)
-        self._reselect(q, q_pos, self.recall_step_candidates)
+        self._reselect(*observed, self.recall_step_candidates)
         self.stats.recall_step_seconds += time.perf_counter() - t0
         return False
 
@@ -604,8 +597,3 @@ class Engine:
             s.host_tier_bytes, s.recall_rows_out, s.recall_rows_in = t.nbytes, t.rows_out, t.rows_in
             s.recall_dropped_rows = t.dropped_rows
 
-
-def _top_probability(logits: np.ndarray) -> float:
-    """The largest probability of the softmax of ``logits``."""
-    z = np.asarray(logits, dtype=np.float64)
-    return float(1.0 / np.exp(z - z.max()).sum())

@@ -46,21 +46,21 @@ class Rope:
         base = float(model.meta(f"{arch}.rope.freq_base") or 10000.0)
         return cls(kind, n_rot, base, model.rope_freq_scale)
 
+    def _angles(self, delta) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin of the turn by ``delta`` positions (a number, or an array: one more axis)."""
+        theta = (np.asarray(delta, np.float64)[..., None] * self.freq_scale
+                 * self.base ** (-np.arange(self.n_rot // 2, dtype=np.float64) * 2 / self.n_rot))
+        return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+
     @functools.lru_cache(maxsize=4)  # an event moves every layer's queries by the same delta
     def _turn(self, delta: int) -> tuple[np.ndarray, np.ndarray]:
-        theta = delta * self.freq_scale * self.base ** (-np.arange(self.n_rot // 2, dtype=np.float64) * 2 / self.n_rot)
-        return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+        return self._angles(delta)
 
     def rotate(self, x: np.ndarray, delta) -> np.ndarray:
         """``x [..., d]`` (post-RoPE vectors) turned ``delta`` positions further: one delta for all, or one
         per row (``delta [...]``, the shape of ``x`` without its last axis)."""
         half = self.n_rot // 2
-        if np.ndim(delta) == 0:
-            cos, sin = self._turn(int(delta))
-        else:
-            theta = (np.asarray(delta, np.float64)[..., None] * self.freq_scale
-                     * self.base ** (-np.arange(half, dtype=np.float64) * 2 / self.n_rot))
-            cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+        cos, sin = self._turn(int(delta)) if np.ndim(delta) == 0 else self._angles(delta)
         out = np.array(x, dtype=np.float32, copy=True)
         if self.kind == "norm":
             x0, x1 = x[..., 0:self.n_rot:2], x[..., 1:self.n_rot:2]

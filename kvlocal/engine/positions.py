@@ -47,7 +47,7 @@ def reposition(engine, need: int = 1) -> None:
     while True:  # ties between a head's rows move later ones up: keep less history until the numbering fits
         cut = int(history[len(history) - keep]) if keep else recent
         kept = _tier_rows(tier, cut, recent) if follow else {}
-        frame = np.union1d(old, history[len(history) - keep:] if keep else old)
+        frame = np.union1d(old, history[len(history) - keep:])
         labels, kept_pos, offset = _numbered(true, cells, frame, recent, kept, tier)
         if offset <= room or keep == 0:
             break

@@ -120,3 +120,9 @@ class Sampler:
             self._chain = None
 
     __del__ = close
+
+
+def top_probability(logits: np.ndarray) -> float:
+    """The largest probability of the softmax of ``logits``."""
+    z = np.asarray(logits, dtype=np.float64)
+    return float(1.0 / np.exp(z - z.max()).sum())
