@@ -51,7 +51,7 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
                         "moved to the new positions by RoPE (default %(default)s; docs/engine.md)")
     p.add_argument("--backend", default="auto", choices=("auto", "native", "state"),
                    help="where compression runs: native = on the device that holds the cache (patched llama.cpp; "
-                        "eviction methods, unquantized caches), state = K/V read to the host (every method); "
+                        "only the rows a method reads itself cross), state = K/V read to the host and back; "
                         "default auto: native when the model is offloaded to a GPU (-ngl), else state")
     p.add_argument("--recall", default="auto", choices=("on", "off", "auto"),
                    help="the recall tier: rows evicted from the KV cache wait in host memory, and each new question "
@@ -99,7 +99,7 @@ def check_recall_args(args) -> None:
 
     kw = recall_args(args)
     on = resolve_recall(kw["recall"], args.method)
-    resolve_backend(args.backend, args.method, **cache_types(args), recall=on)
+    resolve_backend(args.backend, **cache_types(args), recall=on)
     if on and args.recall_dir is not None:
         check_spill_dir(args.recall_dir)
 

@@ -34,9 +34,7 @@ def cmd_doctor(args) -> int:
                  ("backend", ("GPU offload available; " if info.gpu_offload else "CPU only; ") + info.system_info)]
         if not info.patched:
             rows.append(("", "stock llama.cpp: eviction works; per-cell features need `python ggml_patches/build.py`"))
-        from kvlocal.compress import NATIVE_METHODS
-
-        rows.append(("native", f"compression on the cache's device (--backend native): {', '.join(sorted(NATIVE_METHODS - {'full'}))}"
+        rows.append(("native", "compression on the cache's device (--backend native): every method"
                      if has_native_compression() else
                      "not available (patches 0010-0013): compression reads K/V to the host (--backend state)"))
     except UsageError as e:

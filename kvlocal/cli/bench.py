@@ -57,10 +57,10 @@ def measure(model: Model, tokens: list[int], method: str, budget: str, n_decode:
     return s
 
 
-def default_backends(method: str) -> list[str]:
-    """native and state where the runtime and the method have both, else the one there is."""
+def default_backends() -> list[str]:
+    """native and state where the runtime has both, else state."""
     try:
-        resolve_backend("native", method)
+        resolve_backend("native")
     except UsageError:
         return ["state"]
     return ["native", "state"]
@@ -91,7 +91,7 @@ def run(args) -> int:
         return run_recall_cost(args, model) if args.recall_cost else run_frontier(args, model)
     if args.overhead:
         return run_overhead(args, model)
-    backends = args.backends or default_backends(args.method)
+    backends = args.backends or default_backends()
     long = long_text(model, args.long)
 
     def log(msg):
@@ -255,7 +255,7 @@ def run_recall_cost(args, model: Model) -> int:
     question's, then its answer's first ``RECALL_STEPS`` tokens' (each with its own query)."""
     rows = []
     question = model.tokenize(QUESTION, add_special=False)
-    backends = args.backends or default_backends(args.method)
+    backends = args.backends or default_backends()
     for n in args.contexts:
         tokens = long_text(model, n)
         for backend in backends:

@@ -123,18 +123,16 @@ def make_scorer(name: str, **params) -> Scorer:
 
 
 # The registry of what each method asks of the engine, derived from its scorer's capabilities
-# (kvlocal.compress.base.Scorer): read W_O, need the per-head bias, merge rows, run on the host only.
+# (kvlocal.compress.base.Scorer): read W_O, need the per-head bias, merge rows.
 WO_METHODS = frozenset(m for m in METHODS if make_scorer(m).needs_wo)
 BIAS_METHODS = frozenset(m for m in METHODS if make_scorer(m).needs_bias)
 MERGING_METHODS = frozenset(m for m in METHODS if make_scorer(m).merges)
-# The KV backends that run each method (the engine's --backend). A scorer exists up to three times:
+# Every method runs on both KV backends (the engine's --backend). A scorer exists up to three times:
 #   - the torch oracle: kvlocal.reference.compress (PyTorch, readable, the definition tests check against);
 #   - numpy + C: these scorers, on K/V the state backend reads to the host (hot loops in compress.kernels);
 #   - ggml graphs: the same scorers fed by the patched llama.cpp's on-device graphs (llama_kv_score: window
-#     votes and projected value norms; llama_kv_compact: the kept rows), so no K/V row leaves the device —
-#     for every method that reads nothing else (Scorer.host_only).
-NATIVE_METHODS = frozenset(m for m in METHODS if not make_scorer(m).host_only)
-BACKENDS = {m: ("native", "state") if m in NATIVE_METHODS else ("state",) for m in METHODS}
+#     votes and projected value norms; llama_kv_compact: the kept rows). A scorer that reads K/V itself (a
+#     merge, DefensiveKV's maximum) asks for the rows it reads (LayerInputs.rows), which then cross.
 
 
 def observation_window(scorer: Scorer) -> int | None:
@@ -147,10 +145,8 @@ def observation_window(scorer: Scorer) -> int | None:
     return None
 
 __all__ = [
-    "BACKENDS",
     "BIAS_METHODS",
     "MERGING_METHODS",
-    "NATIVE_METHODS",
     "METHODS",
     "WO_METHODS",
     "AdaKV",

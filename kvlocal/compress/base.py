@@ -58,8 +58,9 @@ class LayerInputs:
     ----------
     k, v : np.ndarray or None
         ``[Hkv, n, d]`` float32 keys (after RoPE) and values of the ``n`` cells, in cell order. None
-        where they never reach the host (the native backend): then ``votes`` and ``pos`` ``[Hkv, n]``
-        are given, and for CriticalKV every ``vnorm`` it ranks.
+        where they stay on the device (the native backend): then ``votes`` and ``pos`` ``[Hkv, n]``
+        are given, for CriticalKV every ``vnorm`` it ranks, and ``rows`` brings the rows a scorer reads
+        (:meth:`take`, :meth:`loaded`).
     pos : np.ndarray
         ``[n]`` int positions of the cells (all KV heads of a cell share it in llama.cpp), or
         ``[Hkv, n]`` when the engine tracks a source position per head. Not sorted; distinct per head
@@ -102,6 +103,9 @@ class LayerInputs:
         ``[Hkv, n]`` int: rows that are kept or dropped together share a group id (``-1``: a row on its
         own). A grouped row ranks with the best score of its group, so a group's rows come back as one
         span (the recall tier's pages of evicted rows, :mod:`kvlocal.recall`).
+    rows : RowSource, optional
+        Where ``k`` is None: how the rows come to the host on demand (the native backend copies only the
+        rows a scorer reads, e.g. the ones a merge combines).
     """
 
     k: np.ndarray
@@ -117,6 +121,7 @@ class LayerInputs:
     vnorm: np.ndarray | None = None
     votes: np.ndarray | None = None
     groups: np.ndarray | None = None
+    rows: "RowSource | None" = None
 
     def __post_init__(self) -> None:
         self.pos = np.asarray(self.pos, dtype=np.int64)
@@ -211,13 +216,20 @@ class LayerInputs:
     def take(self, cells: np.ndarray) -> "LayerInputs":
         """These inputs restricted to the rows ``cells`` ``[Hkv, m]`` of each head (``-1``: an empty row).
 
-        Known ``vnorm`` are copied (a scorer filling in norms of the subset does not write back here).
+        Known ``vnorm`` are copied (a scorer filling in norms of the subset does not write back here). Inputs
+        without ``k`` but with :attr:`rows` get the subset's rows from there, and all the observation queries.
         """
         cells = np.asarray(cells, dtype=np.int64)
         heads, filled, idx = np.arange(self.n_kv)[:, None], cells >= 0, np.maximum(cells, 0)
 
         def rows(a: np.ndarray | None) -> np.ndarray | None:
             return None if a is None else np.where(filled[..., None], a[heads, idx], 0).astype(a.dtype)
+
+        fetched = {}
+        if self.k is None and self.rows is not None:
+            k, v = self.rows.fetch(cells)
+            fetched = dict(k=np.where(filled[..., None], k, 0), v=np.where(filled[..., None], v, 0),
+                           q=self.rows.q, q_pos=self.rows.q_pos, rows=None)
 
         votes = None
         if self.votes is not None:  # [Hq, n]: query head h reads KV head h // G
@@ -231,9 +243,31 @@ class LayerInputs:
             bias = np.where(filled, bias, -np.inf).astype(np.float32)
         groups = None if self.groups is None else np.where(filled, self.groups[heads, idx], -1)
         return dataclasses.replace(
-            self, k=rows(self.k), v=rows(self.v), pos=np.where(filled, self.pos_h[heads, idx], EMPTY), bias=bias, votes=votes,
-            groups=groups,
+            self, **{"k": rows(self.k), "v": rows(self.v), **fetched}, pos=np.where(filled, self.pos_h[heads, idx], EMPTY),
+            bias=bias, votes=votes, groups=groups,
             vnorm=None if self.vnorm is None else np.where(filled, self.vnorm[heads, idx], np.nan).astype(np.float32))
+
+    def loaded(self) -> "LayerInputs":
+        """These inputs with every row's K and V on the host (fetched from :attr:`rows` where ``k`` is None)."""
+        if self.k is not None:
+            return self
+        if self.rows is None:
+            raise ValueError(f"layer {self.layer}: this scorer reads K and V, and these inputs have no rows")
+        return self.take(np.broadcast_to(np.arange(self.n), (self.n_kv, self.n)))
+
+
+class RowSource:
+    """The rows of inputs whose K/V stay on the device (:attr:`LayerInputs.rows`): :meth:`fetch` copies the
+    rows asked for to the host; ``q``/``q_pos`` are all the observation queries in the keys' basis (a scorer
+    that reads the rows reads these, where the device scored the last ``window_size``)."""
+
+    q: np.ndarray
+    q_pos: np.ndarray
+
+    def fetch(self, cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """K and V ``[Hkv, m, d]`` float32 (keys in their stored basis) of the rows ``cells`` ``[Hkv, m]`` (-1: any
+        row; the caller masks it)."""
+        raise NotImplementedError
 
 
 def native_scoring() -> bool:
@@ -350,7 +384,7 @@ class Scorer:
 
     Capabilities — what a method asks of the engine, derived from the classes (a scorer that has one says
     so with a class attribute; a wrapper has it when a part it wraps has it). The registries in
-    :mod:`kvlocal.compress` (``WO_METHODS``, ``BIAS_METHODS``, ``NATIVE_METHODS``, ...) are computed from these.
+    :mod:`kvlocal.compress` (``WO_METHODS``, ``BIAS_METHODS``, ``MERGING_METHODS``) are computed from these.
     """
 
     PARTS = ("press", "merger")  # the fields of a wrapper that hold another scorer
@@ -373,13 +407,6 @@ class Scorer:
     def merges(self) -> bool:
         """Its plans hold merged slots: rows that stand for several tokens."""
         return self._parts_have("merges")
-
-    @property
-    def host_only(self) -> bool:
-        """Reads something the native backend's device graphs do not compute (``llama_kv_score`` gives the
-        window's *mean* attention and the value norms; a maximum over the window, or merged rows, need the
-        K/V on the host): runs on the state backend only."""
-        return self._parts_have("host_only")
 
     def score(self, layer: LayerInputs) -> np.ndarray:
         raise NotImplementedError

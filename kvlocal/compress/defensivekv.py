@@ -73,7 +73,6 @@ class DefensiveKV(Scorer):
     first_stage_mass: float = 0.9
     prior_correction: bool = True
     needs_wo = True  # not a field: stage 2 reads W_O
-    host_only = True  # a maximum over the window: the device graphs give its mean
 
     def __post_init__(self) -> None:
         check_window_params(self.window_size, self.kernel_size, self.pooling)
@@ -84,6 +83,10 @@ class DefensiveKV(Scorer):
         if layer.q is None:
             raise ValueError(f"layer {layer.layer}: DefensiveKV needs the observation queries q and q_pos")
         return layer.q[:, -self.window_size :], layer.q_pos[-self.window_size :]
+
+    def keep(self, layer: LayerInputs, budget: int) -> np.ndarray:
+        # a maximum over the window's queries: the keys on the host (the device's scores are the mean)
+        return super().keep(layer.loaded(), budget)
 
     def score(self, layer: LayerInputs) -> np.ndarray:
         q, q_pos = self._window(layer)
@@ -109,8 +112,8 @@ class DefensiveKV(Scorer):
         return scores
 
     def rerank(self, layer: LayerInputs, scores: np.ndarray, budgets: np.ndarray) -> np.ndarray:
-        if layer.wo is None or layer.q is None:
-            raise ValueError(f"layer {layer.layer}: DefensiveKV needs wo (o_proj weight [D, Hq*d]) and q (for Hq)")
+        if layer.q is None:
+            raise ValueError(f"layer {layer.layer}: DefensiveKV needs the observation queries q")
         q, q_pos = self._window(layer)
         hkv, n = scores.shape
         scores = np.asarray(scores, dtype=np.float32)
@@ -136,8 +139,11 @@ class DefensiveKV(Scorer):
         ranked = candidates & ~first  # the cells stage 2 ranks: the only norms needed
         vnorm = layer.vnorm if layer.vnorm is not None else np.full((hkv, n), np.nan, dtype=np.float32)
         todo = [np.flatnonzero(ranked[g] & np.isnan(vnorm[g])) for g in range(hkv)]
-        for g, norms in enumerate(projected_value_norms(layer.v, layer.wo, layer.n_head, todo)):
-            vnorm[g, todo[g]] = norms
+        if any(len(t) for t in todo):  # norms the engine does not carry (the native backend computes them all)
+            if layer.wo is None:
+                raise ValueError(f"layer {layer.layer}: DefensiveKV needs wo (o_proj weight [D, Hq*d]) or every vnorm")
+            for g, norms in enumerate(projected_value_norms(layer.v, layer.wo, layer.n_head, todo)):
+                vnorm[g, todo[g]] = norms
         crit = scores.copy()
         crit[ranked] = scores[ranked] * vnorm[ranked]
         crit[first] = np.inf

@@ -146,7 +146,7 @@ class KVSlimmer(Scorer):
 
     needs_bias = True  # not fields: merged slots carry log(count) in llama.cpp's per-head bias
     merges = True
-    host_only = True  # the merged rows are computed from K/V on the host
+
     def pair_weights(self, a1, a2, v1, v2, o) -> np.ndarray:
         """Key weight of the earlier row of each pair: KVSlimmer's closed form (:func:`merge_weights`)."""
         return merge_weights(a1, a2, v1, v2, o)
@@ -158,6 +158,7 @@ class KVSlimmer(Scorer):
     def plan_layer(self, layer: LayerInputs, budget: int) -> LayerPlan:
         if layer.q is None:
             raise ValueError(f"layer {layer.layer}: {type(self).__name__} needs the observation queries q and q_pos")
+        layer = layer.loaded()  # it merges rows: their K and V on the host
         budget = max(0, int(budget))
         state = MergeState(layer)
         protected = layer.protected()

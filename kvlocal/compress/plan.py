@@ -233,6 +233,12 @@ class Plan:
                 out[il, h, m["slots"]] = True
         return out
 
+    def head_merges(self, il: int) -> list[dict]:
+        """Layer ``il``'s merge dicts, one per KV head (empty ones for a layer without merges)."""
+        heads = self.merges[il] if self.merges is not None and self.merges[il] is not None else None
+        empty = {"slots": np.zeros(0, np.int64)}
+        return heads if heads is not None else [empty] * self.n_kv
+
     def materialize(self, k, v, counts_in=None, k_codec=None, v_codec=None, dtype=np.float32):
         """The rows the cells get: ``(k_out, v_out, counts_out, bias_out)``.
 
@@ -269,19 +275,13 @@ class Plan:
             ko[~filled.T] = 0
             vo[~filled.T] = 0
             c = np.where(filled, cin[heads, idx], 0)
-            for h, m in enumerate(self.merges[il] if self.merges is not None and self.merges[il] is not None else ()):
+            for h, m in enumerate(self.head_merges(il)):
                 if not len(m["slots"]):
                     continue
-                present = m["cells"] >= 0
                 cells = np.maximum(m["cells"], 0)  # [M, G]
-                w = np.where(present, m["weights"], 0.0).astype(np.float32)
-                cm = np.where(present, cin[h, cells], 0)
-                total = cm.sum(axis=1)
-                km = np.einsum("mg,mgd->md", w, _decoded(kl[cells, h], k_codec))
-                vm = (np.einsum("mg,mgd->md", cm.astype(np.float32), _decoded(vl[cells, h], v_codec))
-                      / total[:, None].astype(np.float32))
-                ko[m["slots"], h] = k_codec.encode(km) if k_codec else km
-                vo[m["slots"], h] = v_codec.encode(vm) if v_codec else vm
+                km, vm, total = merge_rows(m, kl[cells, h], vl[cells, h], cin[h, cells], k_codec, v_codec)
+                ko[m["slots"], h] = km
+                vo[m["slots"], h] = vm
                 c[h, m["slots"]] = total
             counts_out[il] = c
             k_out.append(ko)
@@ -352,6 +352,20 @@ def _merges_json(head: dict) -> dict:
     for key in MERGE_KEYS[1:]:
         out[key] = [row[mask].tolist() for row, mask in zip(head[key], present)]
     return out
+
+
+def merge_rows(m: dict, k: np.ndarray, v: np.ndarray, counts: np.ndarray, k_codec=None, v_codec=None):
+    """One head's merged slots from its members' rows: ``m`` the head's merge arrays (:func:`merge_arrays`),
+    ``k``/``v`` ``[M, G, d or bytes]`` the rows of ``m["cells"]`` (any row where a cell is ``-1``), ``counts``
+    ``[M, G]`` theirs. Returns ``(k [M, ...], v [M, ...], count [M])``: the key ``Σ w_i k_i``, the value
+    ``Σ c_i v_i / Σ c_i``, float32 — or quantized again by the codecs of a quantized cache."""
+    present = m["cells"] >= 0
+    w = np.where(present, m["weights"], 0.0).astype(np.float32)
+    cm = np.where(present, counts, 0)
+    total = cm.sum(axis=1)
+    km = np.einsum("mg,mgd->md", w, _decoded(k, k_codec))
+    vm = np.einsum("mg,mgd->md", cm.astype(np.float32), _decoded(v, v_codec)) / total[:, None].astype(np.float32)
+    return (k_codec.encode(km) if k_codec else km), (v_codec.encode(vm) if v_codec else vm), total
 
 
 def _decoded(rows: np.ndarray, codec) -> np.ndarray:

@@ -15,9 +15,9 @@ Two KV backends (``backend=``, the CLI's ``--backend``; objects of :mod:`kvlocal
 read → layer inputs → apply): ``native`` keeps K/V on the device that holds
 them — the patched llama.cpp scores the cells and moves the kept rows by ggml graphs, and only
 queries, scores, positions and indices cross to the host; ``state`` reads the sequence state to the
-host, scores it there and loads it back (any llama.cpp build; every method, merging included; the
-oracle the native backend is tested against). ``auto`` picks native where it can run
-(:data:`kvlocal.compress.BACKENDS`, an unquantized cache, the patched runtime).
+host, scores it there and loads it back (any llama.cpp build; the oracle the native backend is tested
+against). Both run every method. ``auto`` picks native where it can run and the cache is on a GPU
+(:func:`~kvlocal.runtime.resolve_backend`).
 
 Different KV heads may keep different tokens in the same cell: attention is computed per head, so a
 cell is just a slot. A cell has one position (for the causal mask and for "the next token goes at
@@ -119,13 +119,13 @@ class Engine:
         self.cfg.validate()
         self.scorer = make_scorer(method)
         recall = resolve_recall(recall, method)
-        resolve_backend(backend, method, type_k, type_v, recall=recall)  # a refusal before the model loads
+        resolve_backend(backend, type_k, type_v, recall=recall)  # a refusal before the model loads
         if method in BIAS_METHODS and not has_attention_bias():
             raise UsageError(f"--method {method} needs kvlocal's patched llama.cpp (a per-head attention bias, "
                              f"patch 0006); this runtime is stock: run `python ggml_patches/build.py`")
         self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
         m = self.model
-        self.backend = resolve_backend(backend, method, type_k, type_v, offloaded=m.n_gpu_layers != 0, recall=recall,
+        self.backend = resolve_backend(backend, type_k, type_v, offloaded=m.n_gpu_layers != 0, recall=recall,
                                        head_dims=(m.arch.head_dim_k, m.arch.head_dim_v))
         self.layers = m.arch.full_layers  # the model layers whose cache is compressed (all but sliding ones)
         self.head_dim = m.arch.head_dim_k

@@ -3,11 +3,11 @@
 One small interface (:class:`KVBackend`), two implementations:
 
 - :class:`~kvlocal.runtime.backend_state.StateBackend` — the cells are read to the host through llama.cpp's
-  sequence state, scored there (numpy + C) and loaded back. Works on any llama.cpp build and runs every
-  method (merging included); the oracle the native backend is tested against.
+  sequence state, scored there (numpy + C) and loaded back. Works on any llama.cpp build; the oracle the
+  native backend is tested against.
 - :class:`~kvlocal.runtime.backend_native.NativeBackend` — the patched llama.cpp scores the cells and moves
   the kept rows on the device that holds them (``llama_kv_score``, ``llama_kv_compact``); only queries,
-  scores, positions and indices cross to the host.
+  scores, positions and indices cross to the host, and the rows a scorer reads itself (a merge's members).
 
 An event is ``read()`` → ``layer_inputs(read, ...)`` (what the scorers read, one
 :class:`~kvlocal.compress.LayerInputs` per compressed layer) → the scorer's plan → ``apply(read, plan)``.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlocal.compress import BACKENDS, Plan
+from kvlocal.compress import Plan
 from kvlocal.errors import UsageError
 from kvlocal.runtime.kvquant import FLOAT_TYPES
 from kvlocal.runtime.library import has_attention_bias, has_native_compression, has_native_recall, runtime_info
@@ -203,7 +203,7 @@ def count_bias(counts: np.ndarray) -> np.ndarray | None:
         return np.log(counts.astype(np.float32))
 
 
-def resolve_backend(backend: str, method: str, type_k: int | None = None, type_v: int | None = None,
+def resolve_backend(backend: str, type_k: int | None = None, type_v: int | None = None,
                     offloaded: bool = True, recall: bool = False, head_dims: tuple[int, int] | None = None) -> str:
     """The KV backend an engine runs compression on: ``native`` or ``state``. UsageError, naming the fix, for
     ``native`` where it cannot run.
@@ -218,9 +218,7 @@ def resolve_backend(backend: str, method: str, type_k: int | None = None, type_v
     if backend == "state":
         return "state"
     why = None
-    if "native" not in BACKENDS.get(method, ()):
-        why = f"--method {method} runs on the state backend only (merging and DefensiveKV are computed on the host)"
-    elif recall and not has_native_recall():
+    if recall and not has_native_recall():
         why = "this llama.cpp copies no rows between the device and the recall tier (patch 0013): run `python ggml_patches/build.py`"
     elif head_dims and any(t not in (None, *FLOAT_TYPES) and row_bytes(t, d) % 4 for t, d in zip((type_k, type_v), head_dims)):
         why = f"a quantized row of {min(head_dims)} dimensions is one block, which the device cannot move as bytes"

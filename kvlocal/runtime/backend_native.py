@@ -7,29 +7,54 @@ With a recall tier (patch 0013) only the rows that move cross: an event copies t
 host (``llama_kv_rows_get``), and a question scores the tier's candidate rows on the host *inside the
 device's softmax* — their logsumexp goes to ``llama_kv_score`` as one more logit per query, which returns
 that logit's share, so device cells and host rows get the attention of one softmax over both — and
-writes only the candidates the plan keeps into their slots (``llama_kv_rows_set``)."""
+writes only the candidates the plan keeps into their slots (``llama_kv_rows_set``).
+
+A scorer that reads K/V itself asks for the rows it reads (:class:`~kvlocal.compress.base.RowSource`), and
+those cross: a merge after CriticalKV the rows CriticalKV kept; KVSlimmer alone and DefensiveKV (a maximum
+over the window, where the device gives the mean) every row. Merged rows are combined on the host from their
+members' rows and written into their slots; the other kept rows move on the device as always."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvlocal.compress import LayerInputs, Plan, kernels
+from kvlocal.compress.base import RowSource
+from kvlocal.compress.plan import merge_rows
 from kvlocal.runtime.backend import CacheRead, KVBackend, RowRecord
-from kvlocal.runtime.seqstate import row_bytes, rows_from_bytes, rows_to_bytes
+from kvlocal.runtime.seqstate import row_bytes, row_format, rows_from_bytes, rows_to_bytes
 
 
 @dataclass
-class HostRows:
-    """Rows of the recall tier in a native event's read without being on the device: they are the read's
-    cells ``n_device, n_device + 1, ...``; per compressed layer ``k``/``v`` ``[m, Hkv, ...]``
-    (:func:`~kvlocal.runtime.seqstate.row_format`)."""
+class NativeRows:
+    """What a native event's read holds on the host: the recall tier's candidate rows, which are the read's
+    cells ``n_device, n_device + 1, ...`` without being on the device (per compressed layer ``k``/``v``
+    ``[m, Hkv, ...]``, :func:`~kvlocal.runtime.seqstate.row_format`; None: no candidates), and the device
+    rows copied to the host so far (``fetched``: per layer, by ``cell * Hkv + head``, whether a row was copied
+    and its K and V), so that no row crosses twice in one event."""
 
     n_device: int
-    k: list[np.ndarray]
-    v: list[np.ndarray]
+    k: list[np.ndarray] | None = None
+    v: list[np.ndarray] | None = None
+    fetched: dict = field(default_factory=dict)
+
+
+class _DeviceRowSource(RowSource):
+    """:class:`~kvlocal.compress.base.RowSource` of one compressed layer of a native read."""
+
+    def __init__(self, backend: "NativeBackend", read: CacheRead, l: int, q: np.ndarray, q_pos: np.ndarray):
+        self.backend, self.read, self.l, self.q, self.q_pos = backend, read, l, q, q_pos
+
+    def fetch(self, cells: np.ndarray):
+        hkv, m = cells.shape
+        heads = np.repeat(np.arange(hkv), m)
+        k, v = self.backend.rows_of(self.read, self.l, np.maximum(cells, 0).reshape(-1), heads)
+        basis = self.backend.basis
+        return basis.keys(k).reshape(hkv, m, -1), basis.values(v).reshape(hkv, m, -1)
 
 
 class NativeBackend(KVBackend):
@@ -40,18 +65,21 @@ class NativeBackend(KVBackend):
         c = self.ctx
         self._hd_v = c.model.arch.head_dim_v
         self._row_k, self._row_v = row_bytes(c.type_k, self.head_dim), row_bytes(c.type_v, self._hd_v)
+        self._copying = threading.Lock()  # layers are planned on threads; rows leave the device one layer at a time
 
     def read(self) -> CacheRead:
-        return self._read_record(self.ctx.cells()[1])
+        cells = self.ctx.cells()[1]
+        return self._read_record(cells, kv=NativeRows(len(cells)))
 
     def layer_inputs(self, read: CacheRead, q, q_pos, *, n_sink: int, recent: int, window_size=None):
         w = window_size or 1
         qs = np.stack([qi[:, -w:] for qi in q])  # [n_layer, Hq, w, d]
         scale = 1 / math.sqrt(self.head_dim)
         bias, vnorm = read.bias, read.vnorm
-        host = read.kv if isinstance(read.kv, HostRows) else None
-        n = host.n_device if host else read.n
-        need = np.flatnonzero(np.isnan(vnorm[:, :, :n]).any(axis=(0, 1))) if self.wo is not None else None
+        host = read.kv if read.kv.k is not None else None
+        n = read.kv.n_device
+        unknown = np.isnan(vnorm[:, :, :n]) & (read.true[:, :, :n] >= 0)  # (an empty row needs none)
+        need = np.flatnonzero(unknown.any(axis=(0, 1))) if self.wo is not None else None
         device_bias = None if bias is None else bias[:, :, :n]
         if host is None:
             votes, norms = self.ctx.score(qs, scale, device_bias, need)
@@ -68,10 +96,12 @@ class NativeBackend(KVBackend):
         if norms is not None:
             vnorm[:, :, need] = np.where(np.isnan(vnorm[:, :, need]), norms, vnorm[:, :, need])
         for i, il in enumerate(self.layers):
+            rows = _DeviceRowSource(self, read, i, self.basis.queries(q[i]), q_pos)
             yield LayerInputs(k=None, v=None, pos=read.true[i], q=qs[i], q_pos=q_pos[-w:], layer=il, n_sink=n_sink,
-                              recent=recent, bias=None if bias is None else bias[i], vnorm=vnorm[i], votes=votes[i])
+                              recent=recent, bias=None if bias is None else bias[i], vnorm=vnorm[i], votes=votes[i],
+                              rows=rows)
 
-    def _host_logits(self, qs: np.ndarray, host: HostRows, bias: np.ndarray | None, scale: float) -> np.ndarray:
+    def _host_logits(self, qs: np.ndarray, host: NativeRows, bias: np.ndarray | None, scale: float) -> np.ndarray:
         """``scale * q·k + bias`` of the window queries ``qs`` (in the keys' basis) over the host rows: ``[n_layer, Hq, w, m]``."""
         n_layer, hq = qs.shape[:2]
         group = hq // self.n_head_kv
@@ -84,46 +114,106 @@ class NativeBackend(KVBackend):
             out.append(kq)
         return np.stack(out)
 
-    def _host_vnorm(self, vnorm: np.ndarray, host: HostRows, true: np.ndarray) -> None:
+    def _host_vnorm(self, vnorm: np.ndarray, host: NativeRows, true: np.ndarray) -> None:
         """Fill in the projected value norms the host rows do not carry yet (CriticalKV's, on the host)."""
         n = host.n_device
-        for i, il in enumerate(self.layers):
-            wo = self.wo[il]  # [n_embd, Hq * d_v]
-            group = wo.shape[1] // self._hd_v // self.n_head_kv
+        for i in range(len(self.layers)):
             for h in range(self.n_head_kv):
                 rows = np.flatnonzero(np.isnan(vnorm[i, h, n:]) & (true[i, h, n:] >= 0))
                 if len(rows):
-                    v = self.basis.values(host.v[i][rows, h]).astype(np.float32)
-                    vnorm[i, h, n + rows] = kernels.vnorm_l1(v, wo, h * group, group)
+                    vnorm[i, h, n + rows] = self._vnorm(i, h, host.v[i][rows, h])
+
+    def _vnorm(self, i: int, h: int, v: np.ndarray) -> np.ndarray:
+        """CriticalKV's projected value norms of rows ``v`` (as the cache stores them) of KV head ``h`` in
+        compressed layer ``i``, on the host."""
+        wo = self.wo[self.layers[i]]  # [n_embd, Hq * d_v]
+        group = wo.shape[1] // self._hd_v // self.n_head_kv
+        return kernels.vnorm_l1(self.basis.values(v).astype(np.float32), wo, h * group, group)
 
     def apply(self, read: CacheRead, plan: Plan) -> None:
-        record = RowRecord.after(plan, read)
+        """Move the kept device rows on the device (``llama_kv_compact``), then write the rows that come from the
+        host into their slots (``llama_kv_rows_set``): the tier's candidates the plan keeps, and merged rows —
+        combined on the host from their members' rows (copied before the cells move), quantized again for a
+        quantized cache."""
+        record = RowRecord.after(plan, read, plan.counts if plan.merges is not None else None)
         with np.errstate(divide="ignore"):
             cell_bias = np.log(record.count.astype(np.float32)) if np.any(record.count != 1) else None
-        host = read.kv if isinstance(read.kv, HostRows) else None
-        if host is None:
-            self.ctx.compact(plan.keep, record.pos, cell_bias)
-        else:  # the device rows move on the device, then the kept host rows are written into their slots
-            n = host.n_device
-            self.ctx.compact(np.where(plan.keep < n, plan.keep, -1), record.pos, cell_bias)
-            for l in range(plan.n_layer):
-                heads, slots = np.nonzero(plan.keep[l] >= n)
-                if len(heads):
-                    rows = plan.keep[l][heads, slots] - n
-                    k = rows_to_bytes(host.k[l][rows, heads], self.ctx.type_k, self.head_dim)
-                    v = rows_to_bytes(host.v[l][rows, heads], self.ctx.type_v, self._hd_v)
-                    self.ctx.set_rows(l, slots, heads, k, v)
-                    self._count_host(k.nbytes + v.nbytes, k.nbytes + v.nbytes)
+        n, merged = read.kv.n_device, plan.merged()
+        writes = [self._merged(read, plan, l) for l in range(plan.n_layer)]
+        if self.wo is not None:  # the merged rows' norms from their stored values here, not every cell's on the device
+            for l, (slots, heads, _, v) in enumerate(writes):
+                for h in np.unique(heads):
+                    at = heads == h
+                    record.vnorm[l, h, slots[at]] = self._vnorm(l, h, rows_from_bytes(v[at], self.ctx.type_v))
+        self.ctx.compact(np.where(plan.keep < n, plan.keep, -1), record.pos, cell_bias)
+        for l, (slots, heads, k, v) in enumerate(writes):
+            from_tier = (plan.keep[l] >= n) & ~merged[l]
+            if from_tier.any():  # the tier's rows the plan keeps
+                h, j = np.nonzero(from_tier)
+                tk, tv = self.rows_of(read, l, plan.keep[l][h, j], h)
+                k = np.concatenate([k, rows_to_bytes(tk, self.ctx.type_k, self.head_dim)])
+                v = np.concatenate([v, rows_to_bytes(tv, self.ctx.type_v, self._hd_v)])
+                slots, heads = np.concatenate([slots, j]), np.concatenate([heads, h])
+            if len(slots):
+                self.ctx.set_rows(l, slots, heads, k, v)
+                self._count_host(k.nbytes + v.nbytes, k.nbytes + v.nbytes)
         self.record = record
 
-    # -- the recall tier's rows: only the ones that move cross -----------------------------------------
+    def _merged(self, read: CacheRead, plan: Plan, l: int):
+        """``(slots, heads, K bytes, V bytes)`` of layer ``l``'s merged slots (none without merges)."""
+        slots, heads = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        ks, vs = [np.zeros((0, self._row_k), np.uint8)], [np.zeros((0, self._row_v), np.uint8)]
+        for h, m in enumerate(plan.head_merges(l)):
+            if not len(m["slots"]):
+                continue
+            cells = np.maximum(m["cells"], 0)  # [M, G]
+            k, v = self.rows_of(read, l, cells.reshape(-1), np.full(cells.size, h))
+            km, vm, _ = merge_rows(m, k.reshape(*cells.shape, -1), v.reshape(*cells.shape, -1), read.count[l, h, cells],
+                                   self.basis.k_codec, self.basis.v_codec)
+            slots.append(m["slots"])
+            heads.append(np.full(len(km), h))
+            ks.append(rows_to_bytes(km, self.ctx.type_k, self.head_dim))
+            vs.append(rows_to_bytes(vm, self.ctx.type_v, self._hd_v))
+        return np.concatenate(slots), np.concatenate(heads), np.concatenate(ks), np.concatenate(vs)
+
+    # -- rows on the host: only the ones asked for cross ------------------------------------------------
+    def rows_of(self, read: CacheRead, l: int, cells: np.ndarray, heads: np.ndarray):
+        """K and V of KV head ``heads[i]`` in cell ``cells[i]`` of compressed layer ``l`` of ``read``
+        (:func:`~kvlocal.runtime.seqstate.row_format`): the tier's candidates from the host, device rows copied
+        from the device (``llama_kv_rows_get``) once per event."""
+        kv = read.kv
+        (dk, sk), (dv, sv) = row_format(self.ctx.type_k, self.head_dim), row_format(self.ctx.type_v, self._hd_v)
+        k, v = np.empty((len(cells), *sk), dk), np.empty((len(cells), *sv), dv)
+        host = cells >= kv.n_device
+        if host.any():
+            c = cells[host] - kv.n_device
+            k[host], v[host] = kv.k[l][c, heads[host]], kv.v[l][c, heads[host]]
+        if not host.all():
+            k[~host], v[~host] = self._device_rows(kv, l, cells[~host] * self.n_head_kv + heads[~host])
+        return k, v
+
+    def _device_rows(self, kv: NativeRows, l: int, ids: np.ndarray):
+        """The device rows ``ids`` (``cell * Hkv + head``) of layer ``l``: the ones not copied yet this event are."""
+        hkv = self.n_head_kv
+        with self._copying:
+            if l not in kv.fetched:  # (np.empty: host pages are taken only for the rows copied)
+                (dk, sk), (dv, sv) = row_format(self.ctx.type_k, self.head_dim), row_format(self.ctx.type_v, self._hd_v)
+                size = kv.n_device * hkv
+                kv.fetched[l] = np.zeros(size, bool), np.empty((size, *sk), dk), np.empty((size, *sv), dv)
+            have, k_all, v_all = kv.fetched[l]
+            new = np.unique(ids[~have[ids]])
+            if len(new):
+                k, v = self.ctx.get_rows(l, new // hkv, new % hkv, self._row_k, self._row_v)
+                self._count_host(k.nbytes + v.nbytes, k.nbytes + v.nbytes)
+                k_all[new], v_all[new] = rows_from_bytes(k, self.ctx.type_k), rows_from_bytes(v, self.ctx.type_v)
+                have[new] = True
+        return k_all[ids], v_all[ids]
+
     def take_rows(self, read: CacheRead, l: int, cells: np.ndarray, heads: np.ndarray):
-        k, v = self.ctx.get_rows(l, cells, heads, self._row_k, self._row_v)
-        self._count_host(k.nbytes + v.nbytes, k.nbytes + v.nbytes)
-        return rows_from_bytes(k, self.ctx.type_k), rows_from_bytes(v, self.ctx.type_v)
+        return self.rows_of(read, l, cells, heads)
 
     def extend(self, read: CacheRead, k: list[np.ndarray], v: list[np.ndarray]):
         """The rows stay on the host until the plan keeps them (:meth:`apply`)."""
         m = len(k[0])
         pos = np.concatenate([read.pos, np.full(m, -1, np.int64)])
-        return CacheRead(pos, read.true, read.vnorm, read.count, kv=HostRows(read.n, k, v))
+        return CacheRead(pos, read.true, read.vnorm, read.count, kv=NativeRows(read.kv.n_device, k, v, read.kv.fetched))
