@@ -52,14 +52,22 @@ def test_overhead_compares_the_levers_side_by_side(smollm2):
 
 def test_recall_cost_counts_the_question_and_the_answer_steps(smollm2):
     """``--recall-cost``: a document read with recall on, one question, then an answer whose first tokens
-    re-select too; the seconds of both against the prefill, and what crossed."""
-    r = run_cli("bench", str(smollm2), "--recall-cost", "--contexts", "600", "--backends", "state", "-t", "2", "--json")
+    re-select too; the seconds of both against the prefill, and what crossed. ``--step-confidence 1 0`` side by
+    side: at 1 every step swaps, at 0 every step keeps its decode (no step time, no rows in after the question's)."""
+    r = run_cli("bench", str(smollm2), "--recall-cost", "--contexts", "600", "--backends", "state", "-t", "2", "--json",
+                "--step-confidence", "1", "0")
     assert r.returncode == 0, r.stderr
-    (row,) = json.loads(r.stdout)["recall"]
-    assert row["tokens"] == 600 and row["backend"] == "state" and row["compression_events"] > 0
-    assert 0 < row["steps"] <= row["answer_tokens"] <= 16  # an end-of-generation token is not a step
-    assert row["question_seconds"] > 0 and row["step_seconds"] > 0 and row["prefill_seconds"] > 0
-    assert row["rows_in"] > 0 and row["candidates"] > 0 and row["host_tier_bytes"] > 0
+    swapping, confident = json.loads(r.stdout)["recall"]
+    for row in (swapping, confident):
+        assert row["tokens"] == 600 and row["backend"] == "state" and row["compression_events"] > 0
+        assert 0 < row["steps"] <= row["answer_tokens"] <= 16  # an end-of-generation token is not a step
+        assert row["question_seconds"] > 0 and row["prefill_seconds"] > 0
+        assert row["rows_in"] > 0 and row["candidates"] > 0 and row["host_tier_bytes"] > 0
+    assert (swapping["step_confidence"], confident["step_confidence"]) == (1, 0)
+    assert swapping["confident_steps"] == 0 < swapping["step_seconds"]
+    assert confident["confident_steps"] == confident["steps"] and confident["step_seconds"] == 0
+    assert confident["rows_in"] < swapping["rows_in"]  # only the question brought rows back
+    assert_usage_error(run_cli("bench", str(smollm2), "--recall-cost", "--step-confidence", "1.5"), "--step-confidence")
 
 
 def test_backends_side_by_side_on_a_quantized_cache(smollm2):

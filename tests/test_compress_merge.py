@@ -8,6 +8,7 @@ optionally empty rows (``pos = -1``, bias ``-inf``; a different number per head)
 merge key weights agree to float32 rounding (the intermediate merged keys are float32 in both).
 """
 
+import dataclasses
 import json
 
 import numpy as np
@@ -35,7 +36,8 @@ from kvlocal.compress import (
     plan_layers,
 )
 from kvlocal.compress import numpy_kernels
-from kvlocal.compress.base import window_votes
+from kvlocal.compress.base import RowSource, window_votes
+from kvlocal.compress.criticalkv import projected_value_norms
 from kvlocal.compress.evict_merge import evict_budget
 from kvlocal.errors import UsageError
 from kvlocal.reference import compress as ref
@@ -312,6 +314,48 @@ def test_criticalkv_kvslimmer_equals_reference(case):
             assert sorted(members) == sorted(kept(evicted[h]))
             assert counts[h].sum() == layer.counts[h, kept(evicted[h])].sum()
             assert len(kept(lp.keep[h])) == min(budget, layer.n_live[h])
+
+
+class ArrayRows(RowSource):
+    """Serves a layer's own rows, counting the ones asked for (as the native backend copies them)."""
+
+    def __init__(self, layer: LayerInputs):
+        self.layer, self.q, self.q_pos, self.asked = layer, layer.q, layer.q_pos, set()
+
+    def fetch(self, cells):
+        heads = np.arange(len(cells))[:, None]
+        self.asked |= {(h, c) for h, c in zip(*np.nonzero(cells >= 0)) for c in [int(cells[h, c])]}
+        return self.layer.k[heads, np.maximum(cells, 0)], self.layer.v[heads, np.maximum(cells, 0)]
+
+
+@pytest.mark.parametrize("method", ["kvslimmer", "meanmerge", "criticalkv+kvslimmer", "defensivekv"])
+def test_inputs_without_rows_fetch_what_a_scorer_reads(method):
+    """Inputs without K/V (the native backend's: the device's window votes and value norms instead) plan as the
+    inputs with them, fetching the rows the scorer reads from ``LayerInputs.rows``: every row for KVSlimmer and
+    DefensiveKV, only CriticalKV's kept rows (1.5 × the budget per head) for criticalkv+kvslimmer."""
+    layer = random_layer(seed=3, merged=True, empty=2)
+    budget = 20
+    layer.vnorm = np.full((layer.n_kv, layer.n), np.nan, np.float32)
+    want = make_scorer(method).plan_layer(layer, budget)
+    every_row = [np.arange(layer.n)] * layer.n_kv  # the device gives the norms of every row it is asked for
+    norms = np.stack(projected_value_norms(layer.v, layer.wo, layer.n_head, every_row)).astype(np.float32)
+    source = ArrayRows(layer)
+    bare = dataclasses.replace(layer, k=None, v=None, pos=layer.pos_h, vnorm=norms, rows=source,
+                               votes=window_votes(layer.q, layer.q_pos, layer.k, layer.pos, layer.bias))
+    got = make_scorer(method).plan_layer(bare, budget)
+    np.testing.assert_array_equal(got.keep, want.keep)
+    np.testing.assert_array_equal(got.counts, want.counts)
+    for a, b in zip(got.merges or [], want.merges or []):
+        for key in ("slots", "cells", "positions"):
+            np.testing.assert_array_equal(a[key], b[key])
+        np.testing.assert_allclose(a["weights"], b["weights"], rtol=0, atol=1e-6)
+    every = layer.n_kv * layer.n
+    if method == "criticalkv+kvslimmer":
+        assert len(source.asked) <= layer.n_kv * evict_budget(budget, 0.5) < every / 2
+    else:
+        assert len(source.asked) == every
+    with pytest.raises(ValueError, match="no rows"):
+        make_scorer(method).plan_layer(dataclasses.replace(bare, rows=None), budget)
 
 
 def test_evict_budget_rounds_half_up():
