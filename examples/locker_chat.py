@@ -1,0 +1,73 @@
+"""The recall tier's development chat: six facts "The locker of NAME holds the number CODE." spread through
+~2,000 tokens of prose, read into a chat at a small budget, then asked one per turn. The seeds 77-84 and
+these facts are what recall was developed on — not the texts or seeds of the reported eval (docs/eval.md,
+seed 11) — so its figures say how a choice was made, not how well kvlocal does (docs/recall.md § Choices).
+
+    .venv/bin/python examples/locker_chat.py [--model qwen2.5-coder-0.5b] [--budget 200] [--seeds 77 78 ...]
+        [--cache f16|q8_0|q4_0] [--step-confidence 1.0] [--recall-steps 16]
+
+Prints per seed the facts found of 6, the answer steps (and how many kept their decode), their seconds, and
+each miss as (asked code, answer); then the total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import kvlocal
+from kvlocal.engine import RECALL_STEP_CONFIDENCE, RECALL_STEPS
+from kvlocal.eval.tasks import Prose, insert_at
+from kvlocal.models import resolve
+from kvlocal.runtime import Model
+
+NAMES = ["Alder", "Birch", "Cedar", "Hazel", "Maple", "Rowan", "Willow", "Aspen"]
+
+
+def chat(model: Model, seed: int, args):
+    """One chat: the document read, then each locker asked for in turn. Returns ``(found, code, answer)`` per
+    fact and the engine's stats."""
+    rng = random.Random(seed)
+    names = rng.sample(NAMES, 6)
+    codes = [str(rng.randint(10000, 99999)) for _ in names]
+    prose = Prose(lambda s: len(model.tokenize(s, add_special=False)))
+    facts = [f"The locker of {n} holds the number {c}." for n, c in zip(names, codes)]
+    doc = insert_at(prose.take(2000, rng), [((i + 0.5) / 6, f) for i, f in enumerate(facts)])
+    out = []
+    with kvlocal.Chat(model, ctx_size=len(model.tokenize(doc)) + 1200, budget=args.budget, n_threads=args.threads,
+                      cache_type_k=args.cache, cache_type_v=args.cache, recall_steps=args.recall_steps) as c:
+        c.engine.recall_step_confidence = args.step_confidence
+        c.read(doc)
+        for name, code in zip(names, codes):
+            answer = "".join(c.send(f"What number does the locker of {name} hold? Answer with the number only.",
+                                    max_tokens=10)).strip()
+            out.append((code in answer, code, answer))
+        return out, c.engine.stats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--budget", default="200")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[77, 78, 79, 80, 81, 82, 83, 84])
+    ap.add_argument("--cache", default="f16", help="K and V cache type (llama.cpp's -ctk/-ctv names)")
+    ap.add_argument("--step-confidence", type=float, default=RECALL_STEP_CONFIDENCE)
+    ap.add_argument("--recall-steps", type=int, default=RECALL_STEPS)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    args = ap.parse_args()
+    model = Model(resolve(args.model))
+    total = 0
+    for seed in args.seeds:
+        t0 = time.perf_counter()
+        results, s = chat(model, seed, args)
+        found = sum(ok for ok, _, _ in results)
+        total += found
+        print(f"seed {seed}: {found}/6  {time.perf_counter() - t0:.0f} s  steps {s.recall_steps} "
+              f"(kept their decode {s.recall_steps_confident}, {s.recall_step_seconds:.1f} s)  misses "
+              f"{[(code, answer) for ok, code, answer in results if not ok]}", flush=True)
+    print(f"total {total}/{6 * len(args.seeds)}")
+
+
+if __name__ == "__main__":
+    main()
