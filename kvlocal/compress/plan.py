@@ -228,8 +228,8 @@ class Plan:
     def merged(self) -> np.ndarray:
         """``[n_layer, Hkv, B]`` True for the slots filled by a merge."""
         out = np.zeros(self.keep.shape, dtype=bool)
-        for il, heads in enumerate(self.merges or []):
-            for h, m in enumerate(heads or []):
+        for il in range(self.n_layer if self.merges is not None else 0):
+            for h, m in enumerate(self.head_merges(il)):
                 out[il, h, m["slots"]] = True
         return out
 

@@ -539,7 +539,8 @@ class Engine:
             return False
         t0 = time.perf_counter()
         self.stats.recall_steps += 1
-        observed = self._observe([tok], keep_if=lambda z: top_probability(z) > self.recall_step_confidence)
+        sure = None if self.recall_step_confidence >= 1 else lambda z: top_probability(z) > self.recall_step_confidence
+        observed = self._observe([tok], keep_if=sure)  # (no logits to compute where no step is ever sure)
         if observed is None:  # the token's own decode: no time of recall's
             self.stats.recall_steps_confident += 1
             return True
@@ -596,4 +597,3 @@ class Engine:
             t = self.tier
             s.host_tier_bytes, s.recall_rows_out, s.recall_rows_in = t.nbytes, t.rows_out, t.rows_in
             s.recall_dropped_rows = t.dropped_rows
-

@@ -16,6 +16,7 @@ members' rows and written into their slots; the other kept rows move on the devi
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from dataclasses import dataclass, field
@@ -44,10 +45,15 @@ class NativeRows:
 
 
 class _DeviceRowSource(RowSource):
-    """:class:`~kvlocal.compress.base.RowSource` of one compressed layer of a native read."""
+    """:class:`~kvlocal.compress.base.RowSource` of one compressed layer of a native read. The queries are
+    turned into the keys' basis only if a scorer reads rows (most events fetch none)."""
 
     def __init__(self, backend: "NativeBackend", read: CacheRead, l: int, q: np.ndarray, q_pos: np.ndarray):
-        self.backend, self.read, self.l, self.q, self.q_pos = backend, read, l, q, q_pos
+        self.backend, self.read, self.l, self._q, self.q_pos = backend, read, l, q, q_pos
+
+    @functools.cached_property
+    def q(self) -> np.ndarray:
+        return self.backend.basis.queries(self._q)
 
     def fetch(self, cells: np.ndarray):
         hkv, m = cells.shape
@@ -65,6 +71,7 @@ class NativeBackend(KVBackend):
         c = self.ctx
         self._hd_v = c.model.arch.head_dim_v
         self._row_k, self._row_v = row_bytes(c.type_k, self.head_dim), row_bytes(c.type_v, self._hd_v)
+        self._format_k, self._format_v = row_format(c.type_k, self.head_dim), row_format(c.type_v, self._hd_v)
         self._copying = threading.Lock()  # layers are planned on threads; rows leave the device one layer at a time
 
     def read(self) -> CacheRead:
@@ -96,7 +103,7 @@ class NativeBackend(KVBackend):
         if norms is not None:
             vnorm[:, :, need] = np.where(np.isnan(vnorm[:, :, need]), norms, vnorm[:, :, need])
         for i, il in enumerate(self.layers):
-            rows = _DeviceRowSource(self, read, i, self.basis.queries(q[i]), q_pos)
+            rows = _DeviceRowSource(self, read, i, q[i], q_pos)
             yield LayerInputs(k=None, v=None, pos=read.true[i], q=qs[i], q_pos=q_pos[-w:], layer=il, n_sink=n_sink,
                               recent=recent, bias=None if bias is None else bias[i], vnorm=vnorm[i], votes=votes[i],
                               rows=rows)
@@ -182,7 +189,7 @@ class NativeBackend(KVBackend):
         (:func:`~kvlocal.runtime.seqstate.row_format`): the tier's candidates from the host, device rows copied
         from the device (``llama_kv_rows_get``) once per event."""
         kv = read.kv
-        (dk, sk), (dv, sv) = row_format(self.ctx.type_k, self.head_dim), row_format(self.ctx.type_v, self._hd_v)
+        (dk, sk), (dv, sv) = self._format_k, self._format_v
         k, v = np.empty((len(cells), *sk), dk), np.empty((len(cells), *sv), dv)
         host = cells >= kv.n_device
         if host.any():
@@ -197,7 +204,7 @@ class NativeBackend(KVBackend):
         hkv = self.n_head_kv
         with self._copying:
             if l not in kv.fetched:  # (np.empty: host pages are taken only for the rows copied)
-                (dk, sk), (dv, sv) = row_format(self.ctx.type_k, self.head_dim), row_format(self.ctx.type_v, self._hd_v)
+                (dk, sk), (dv, sv) = self._format_k, self._format_v
                 size = kv.n_device * hkv
                 kv.fetched[l] = np.zeros(size, bool), np.empty((size, *sk), dk), np.empty((size, *sv), dv)
             have, k_all, v_all = kv.fetched[l]
