@@ -4,7 +4,7 @@ these facts are what recall was developed on — not the texts or seeds of the r
 seed 11) — so its figures say how a choice was made, not how well kvlocal does (docs/recall.md § Choices).
 
     .venv/bin/python examples/locker_chat.py [--model qwen2.5-coder-0.5b] [--budget 200] [--seeds 77 78 ...]
-        [--cache f16|q8_0|q4_0] [--step-confidence 1.0] [--recall-steps 16]
+        [--cache f16|q8_0|q4_0] [--step-confidence 0.9] [--recall-steps 16]
 
 Prints per seed the facts found of 6, the answer steps (and how many kept their decode), their seconds, and
 each miss as (asked code, answer); then the total.

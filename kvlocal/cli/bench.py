@@ -146,16 +146,16 @@ def run(args) -> int:
 
 def run_overhead(args, model: Model) -> int:
     """``--overhead``: what each lever against compression's cost buys, side by side on one prompt: every
-    ``--chunks`` (fewer, larger events; more cells) × ``--observe-every`` (fewer probe decodes), against the
-    full cache."""
+    ``--chunks`` (fewer, larger events; more cells) × ``--observe-every`` (fewer probe decodes) × ``--backends``
+    (default: the one ``auto`` picks), against the full cache."""
     long = long_text(model, args.long)
-    backend = (args.backends or ["auto"])[0]
-    grid = [(c, e) for c in args.chunks for e in args.observe_every]
+    grid = list(itertools.product(args.backends or ["auto"], args.chunks, args.observe_every))
     print(f"[1/{1 + len(grid)}] full cache, {len(long)}-token prompt + {args.decode} decoded", file=sys.stderr, flush=True)
     full = measure(model, long, "full", "1", args.decode, args.threads)
     rows = []
-    for i, (chunk, every) in enumerate(grid, 2):
-        print(f"[{i}/{1 + len(grid)}] {args.method} {args.budget}, chunk {chunk}, observe every {every}", file=sys.stderr, flush=True)
+    for i, (backend, chunk, every) in enumerate(grid, 2):
+        print(f"[{i}/{1 + len(grid)}] {args.method} {args.budget} ({backend} backend), chunk {chunk}, observe every "
+              f"{every}", file=sys.stderr, flush=True)
         r = measure(model, long, args.method, args.budget, args.decode, args.threads, backend, chunk=chunk,
                     observe_every=every)
         rows.append(dict(chunk=chunk, observe_every=every, kv_bytes=r["kv_bytes_allocated"], n_ctx=r["n_ctx"],
@@ -170,11 +170,11 @@ def run_overhead(args, model: Model) -> int:
     mib = 2**20
     print(f"full cache: {full['kv_bytes_allocated'] / mib:.1f} MiB, TTFT {full['prefill_seconds']:.1f} s, "
           f"decode {full['decode_tok_s']:.1f} tok/s")
-    print(f"{'chunk':>6} {'observe':>8} {'n_ctx':>6} {'KV vs full':>10} {'TTFT vs full':>12} {'decode vs full':>14} "
+    print(f"{'backend':>8} {'chunk':>6} {'observe':>8} {'n_ctx':>6} {'KV vs full':>10} {'TTFT vs full':>12} {'decode vs full':>14} "
           f"{'events':>7} {'decoded':>8} {'share':>7} {'observe s':>10} {'score s':>8} {'apply s':>8}   target: share <= 5%")
     for r in rows:
         b = r["breakdown"]
-        print(f"{r['chunk']:>6} {r['observe_every']:>8} {r['n_ctx']:>6,} {r['kv_bytes'] / full['kv_bytes_allocated']:>9.3f}x "
+        print(f"{r['backend']:>8} {r['chunk']:>6} {r['observe_every']:>8} {r['n_ctx']:>6,} {r['kv_bytes'] / full['kv_bytes_allocated']:>9.3f}x "
               f"{r['ttft'] / full['prefill_seconds']:>11.2f}x {r['decode_tok_s'] / full['decode_tok_s']:>13.2f}x "
               f"{r['events']:>7} {r['events'] - r['moved']:>8} {100 * r['share']:>6.1f}% {b.get('observe', 0):>10.2f} "
               f"{b.get('score', 0) + b.get('read', 0):>8.2f} {b.get('apply', 0):>8.2f}")
@@ -310,7 +310,8 @@ def add_arguments(p) -> None:
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
     p.add_argument("--backends", nargs="+", choices=("native", "state"), default=None,
-                   help="the KV backends to run the compressed prompt on (default: native and state where both run)")
+                   help="the KV backends to run the compressed prompt on (default: native and state where both run; "
+                        "--overhead: the one auto picks)")
     p.add_argument("--cache", default="f16", metavar="TYPE",
                    help="the K and V cache type of the full and the compressed runs side by side (llama.cpp's "
                         "-ctk/-ctv names: f16, q8_0, q4_0, ...; default f16); refused with --frontier (it has its own "
@@ -321,7 +322,8 @@ def add_arguments(p) -> None:
                         "per --contexts length (target <= 3%%), instead of the backends")
     p.add_argument("--step-confidence", type=float, nargs="+", default=[RECALL_STEP_CONFIDENCE], metavar="P",
                    help="with --recall-cost: an answer step whose decode predicts the next token above P swaps nothing "
-                        "(Engine(recall_step_confidence=); default %(default)s: every step swaps); several: side by side")
+                        "and its query waits for the next swap (Engine(recall_step_confidence=); default %(default)s; "
+                        "1: every step swaps); several: side by side")
     p.add_argument("--frontier", action="store_true",
                    help="per --contexts length: the full F16 cache, the q8_0 and q4_0 K+V caches, the method at the "
                         "budget and on a q8_0 cache — KV bytes, TTFT, decode speed, compression share")

@@ -11,13 +11,11 @@ decoding whenever the live cells pass ``budget + slack``, one *compression event
     plan     per layer and KV head, which source rows fill which cell (kvlocal.compress.Plan)
     apply    write the compacted cells back (state) / move the kept rows on the device (llama_kv_compact)
 
-Two KV backends (``backend=``, the CLI's ``--backend``; objects of :mod:`kvlocal.runtime`, one interface:
-read → layer inputs → apply): ``native`` keeps K/V on the device that holds
-them — the patched llama.cpp scores the cells and moves the kept rows by ggml graphs, and only
-queries, scores, positions and indices cross to the host; ``state`` reads the sequence state to the
-host, scores it there and loads it back (any llama.cpp build; the oracle the native backend is tested
-against). Both run every method. ``auto`` picks native where it can run and the cache is on a GPU
-(:func:`~kvlocal.runtime.resolve_backend`).
+Two KV backends (``backend=``, ``--backend``; :mod:`kvlocal.runtime`, one interface: read → layer inputs →
+apply): ``native`` keeps K/V on the device — the patched llama.cpp scores the cells and moves the kept rows by
+ggml graphs, and only queries, scores, positions, indices and the rows a method reads cross to the host;
+``state`` reads the sequence state to the host, scores it there and loads it back (any llama.cpp build; the
+oracle native is tested against). Both run every method; ``auto`` picks native where the cache is on a GPU.
 
 Different KV heads may keep different tokens in the same cell: attention is computed per head, so a
 cell is just a slot. A cell has one position (for the causal mask and for "the next token goes at
@@ -64,7 +62,7 @@ import numpy as np
 from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, observation_window, plan_layers
 from kvlocal.engine.config import OBSERVE_EVERY, PLAN_WORKERS, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
 from kvlocal.engine.interrupts import interrupts_deferred
-from kvlocal.engine.observation import Observations, Rope
+from kvlocal.engine.observation import Observations, Rope, joined
 from kvlocal.engine.positions import reposition
 from kvlocal.errors import UsageError
 from kvlocal.recall import HostTier, choose_candidates, evicted, store_evicted, with_candidates
@@ -179,11 +177,10 @@ class Engine:
         if recall_steps < 0:
             raise UsageError(f"recall_steps {recall_steps} must be >= 0 (0: only the question re-selects)")
         self.recall_steps = int(recall_steps)
-        # a step's one query scores fewer tier rows, so it displaces at most that many of the question's choice
-        self.recall_step_candidates = float(recall_step_candidates)
-        # a step whose decode already predicts the next token this surely keeps that decode and swaps nothing
-        self.recall_step_confidence = float(recall_step_confidence)
+        self.recall_step_candidates = float(recall_step_candidates)  # a step's tier rows scored, × the budget
+        self.recall_step_confidence = float(recall_step_confidence)  # above it a step keeps its decode unswapped
         self._answering = False  # the tokens generated now answer a question that re-selected the cache
+        self._held: tuple[list[np.ndarray], np.ndarray] | None = None  # the queries of kept steps, for the next swap
         self.tier = HostTier(len(self.layers), m.n_head_kv, row_format(type_k, m.arch.head_dim_k),
                              row_format(type_v, m.arch.head_dim_v), m.arch.head_dim_k, recall_mem,
                              recall_dir) if recall else None
@@ -263,7 +260,7 @@ class Engine:
         if recall:
             self.recall(probe if probe is not None else tokens)
         logits = self.prefill(tokens, probe, progress)
-        self._answering = recall and self.tier is not None
+        self._answering, self._held = recall and self.tier is not None, None
         return logits
 
     def generate(self, max_new: int, sampler: Sampler | None = None, stop_at_eog: bool = True) -> Iterator[int]:
@@ -281,7 +278,8 @@ class Engine:
             tok = sampler(self.logits)
             t0 = time.perf_counter()
             self._check_cap(1)
-            self._fit_positions(1 + self.cfg.recent)
+            if self._fit_positions(1 + self.cfg.recent):
+                self._held = None  # queries at positions that moved
             if self.live_cells() + 1 > self.ctx.n_ctx - self._reserve():
                 self._compress(self.decode_probe())
             eog = self.model.is_eog(tok)
@@ -461,9 +459,9 @@ class Engine:
 
     def _observe(self, probe: Sequence[int], keep_if: Callable[[np.ndarray], bool] | None = None):
         """Decode the probe after the cache with query capture, then remove it. Returns per compressed
-        layer post-RoPE queries [Hq, w, d] and their positions [w]. ``keep_if``: a test of the probe's last
-        logits; where it holds the probe stays — it was the next text, decoded (``n_past`` and ``logits``
-        move past it) — and None is returned."""
+        layer post-RoPE queries [Hq, w, d], their positions [w], and whether the probe stayed: ``keep_if``
+        tests the probe's last logits; where it holds the probe was the next text, decoded (``n_past`` and
+        ``logits`` move past it)."""
         p0 = self.n_past
         q_pos = np.arange(p0, p0 + len(probe))
         with self._rollback():
@@ -475,11 +473,11 @@ class Engine:
             queries = self.capture.take()
             if keep_if is not None and keep_if(logits):
                 self.logits, self.n_past = logits, p0 + len(probe)
-                return None
+                return queries, q_pos, True
             self.ctx.remove(p0, -1)
         self.last_probe = list(probe)
         self.observations.keep(probe, queries, q_pos)
-        return queries, q_pos
+        return queries, q_pos, False
 
     def _read(self) -> CacheRead:
         """The cells as one event reads them (a seam for tests that record what was scored)."""
@@ -493,7 +491,7 @@ class Engine:
         if observed is None:
             o = self.observations
             if o.needs_decode(probe):
-                observed = self._observe(probe)
+                observed = self._observe(probe)[:2]
             else:
                 observed = o.moved(self.n_past)
                 self.stats.observations_moved += 1
@@ -521,30 +519,33 @@ class Engine:
             return 0
         self._check_usable()
         t0 = time.perf_counter()
-        moved = self._reselect(*self._observe(self._probe_tokens(probe)), self.recall_candidates)
+        moved = self._reselect(*self._observe(self._probe_tokens(probe))[:2], self.recall_candidates)
         self.stats.recall_events += 1
         self.stats.recall_seconds += time.perf_counter() - t0
         return moved
 
     def _recall_step(self, tok: int) -> bool:
-        """Before an answer's token ``tok`` is decoded: re-select with its own query, the one that predicts
-        the next token (Quest's per-step selection, as a swap). The question's queries choose what the
-        answer starts from; a fact's later tokens (a code's next digit) are found by the query that copies
-        them. ``tok`` is decoded with its query captured; if that decode already predicts the next token
-        with a probability above ``recall_step_confidence`` it is kept as the token's decode (no swap:
-        returns True), else it is removed, the cache re-selected, and the caller decodes ``tok`` again.
-        Counted in ``recall_steps`` (``recall_steps_confident``); ``recall_step_seconds`` is the time of the
-        steps that swapped (a kept decode is the token's own: decoding time)."""
+        """Before an answer's token ``tok`` is decoded: re-select with its own query, the one that predicts the
+        next token (Quest's per-step selection, as a swap). The question's queries choose what the answer starts
+        from; a fact's later tokens (a code's next digit) are found by the query that copies them. ``tok`` is
+        decoded with its query captured; if that decode predicts the next token with a probability above
+        ``recall_step_confidence`` it is kept (no swap: returns True) and its query held for the next swap (a
+        swap serves the tokens after it: " pass", " key" find the key " is" goes on to), else it is removed, the
+        cache re-selected by its query and the held ones, and the caller decodes ``tok`` again. Counted in
+        ``recall_steps`` (``recall_steps_confident``); ``recall_step_seconds``: the steps that swapped."""
         if self.tier.n_rows == 0:
             return False
         t0 = time.perf_counter()
         self.stats.recall_steps += 1
         sure = None if self.recall_step_confidence >= 1 else lambda z: top_probability(z) > self.recall_step_confidence
-        observed = self._observe([tok], keep_if=sure)  # (no logits to compute where no step is ever sure)
-        if observed is None:  # the token's own decode: no time of recall's
+        q, q_pos, kept = self._observe([tok], keep_if=sure)  # (no logits to compute where no step is ever sure)
+        if self._held is not None:
+            q, q_pos = joined(self._held, (q, q_pos))
+        self._held = (q, q_pos) if kept else None
+        if kept:  # the token's own decode: no time of recall's
             self.stats.recall_steps_confident += 1
             return True
-        self._reselect(*observed, self.recall_step_candidates)
+        self._reselect(q, q_pos, self.recall_step_candidates)
         self.stats.recall_step_seconds += time.perf_counter() - t0
         return False
 

@@ -103,3 +103,8 @@ class Observations:
         q = [self.rope.rotate(qi, delta) for qi in self._q]
         self._served += 1
         return q, np.arange(p0, p0 + q[0].shape[1])
+
+
+def joined(a, b):
+    """Two observations (per compressed layer queries ``[Hq, w, d]``, and positions ``[w]``) as one, ``a`` first."""
+    return [np.concatenate(x, axis=1) for x in zip(a[0], b[0])], np.concatenate([a[1], b[1]])
