@@ -34,18 +34,19 @@ def test_frontier_refuses_contexts_past_the_trained_one(smollm2):
 
 
 def test_overhead_compares_the_levers_side_by_side(smollm2):
-    """``--overhead``: each --chunks × --observe-every run reads the same prompt; observing once in three
-    decodes the probe for fewer of the same events (the prompt's last one always)."""
+    """``--overhead``: each --backends × --chunks × --observe-every run reads the same prompt; observing once in
+    three decodes the probe for fewer of the same events (the prompt's last one always), on either backend."""
     r = run_cli("bench", str(smollm2), "--overhead", "--long", "700", "--budget", "100", "--chunks", "64",
-                "--observe-every", "1", "3", "--decode", "1", "-t", "2", "--json")
+                "--observe-every", "1", "3", "--decode", "1", "-t", "2", "--json", "--backends", "native", "state")
     assert r.returncode == 0, r.stderr
     full, *rows = json.loads(r.stdout)["overhead"]
-    assert full["full"] and [(x["chunk"], x["observe_every"]) for x in rows] == [(64, 1), (64, 3)]
-    once, third = rows
-    e = third["events"]
-    assert once["events"] == e > 3 and once["moved"] == 0 and once["n_ctx"] == third["n_ctx"]
-    # decoded for events 0, 3, 6, ... and for the prompt's last one, whatever its turn
-    assert e - third["moved"] == len(range(0, e, 3)) + ((e - 1) % 3 > 0)
+    assert full["full"] and [(x["backend"], x["chunk"], x["observe_every"]) for x in rows] == [
+        ("native", 64, 1), ("native", 64, 3), ("state", 64, 1), ("state", 64, 3)]
+    for once, third in (rows[:2], rows[2:]):
+        e = third["events"]
+        assert once["events"] == e == rows[0]["events"] > 3 and once["moved"] == 0 and once["n_ctx"] == third["n_ctx"]
+        # decoded for events 0, 3, 6, ... and for the prompt's last one, whatever its turn
+        assert e - third["moved"] == len(range(0, e, 3)) + ((e - 1) % 3 > 0)
     assert all(x["kv_bytes"] < full["kv_bytes"] for x in rows)
     assert_usage_error(run_cli("bench", str(smollm2), "--overhead", "--chunks", "0"), "--chunks")
 

@@ -80,7 +80,7 @@ def test_a_system_rule_holds_after_fifteen_turns_when_pinned_or_recalled(qwen_mo
     unpinned chat whose recall tier brings the rule back for the question; the chat with neither does not."""
     system = ("You are a helpful assistant. The secret codeword is HERON-17. When the user asks for the "
               "codeword, reply with the codeword only.")
-    texts = passages(30)[:15]
+    texts = passages(36)[:15]
     replies = {}
     for case, pin, recall in (("pinned", True, False), ("recalled", False, True), ("neither", False, False)):
         with Chat(qwen_model, 0.05, ctx_size=2048, system=system, pin_system=pin, recall=recall,

@@ -143,6 +143,27 @@ def test_a_confident_step_keeps_its_decode_and_swaps_nothing(tiny_llama):
     assert steps == 8 and confident == 0 and rows_in > 0 and n_past == stats["no steps"][3]
 
 
+def test_a_confident_steps_query_observes_the_next_swap(tiny_llama, monkeypatch):
+    """A step that keeps its decode holds its query: the next step that swaps is observed by the held queries
+    and its own (a swap serves the tokens after it: docs/recall.md § Choices), and then holds nothing."""
+    import kvlocal.engine.engine as engine_module
+
+    top = iter([0.95, 0.95, 0.5, 0.95, 0.5])  # the steps' top probabilities: kept, kept, swap, kept, swap
+    monkeypatch.setattr(engine_module, "top_probability", lambda logits: next(top))
+    tokens = tiny_llama.tokenize(sample_text())
+    eng = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True, recall_steps=5,
+                 recall_step_confidence=0.9)
+    eng.prefill(tokens[:500], probe=tokens[500:516])
+    eng.append(tokens[600:620], recall=True)
+    observed, reselect = [], eng._reselect
+    monkeypatch.setattr(eng, "_reselect", lambda q, q_pos, c: observed.append((q_pos.tolist(), {x.shape[1] for x in q}))
+                        or reselect(q, q_pos, c))
+    p0 = eng.n_past
+    list(eng.generate(6, stop_at_eog=False))
+    assert observed == [([p0, p0 + 1, p0 + 2], {3}), ([p0 + 3, p0 + 4], {2})]
+    assert (eng.stats.recall_steps, eng.stats.recall_steps_confident) == (5, 3) and eng.n_past == p0 + 6
+
+
 def test_a_restored_snapshot_forgets_the_undone_rows(tiny_llama):
     tokens = tiny_llama.tokenize(sample_text())
     eng = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True)
