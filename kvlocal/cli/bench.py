@@ -259,8 +259,9 @@ def run_recall_cost(args, model: Model) -> int:
     rows = []
     question = model.tokenize(QUESTION, add_special=False)
     backends = args.backends or default_backends()
+    texts = {n: long_text(model, n) for n in args.contexts}  # one document per length, read by every run of it
     for n, backend, confidence in itertools.product(args.contexts, backends, args.step_confidence):
-        tokens = long_text(model, n)
+        tokens = texts[n]
         print(f"reading {n:,} tokens with recall on ({backend} backend), then one question and {RECALL_STEPS} "
               f"tokens of its answer (step confidence {confidence:g})", file=sys.stderr, flush=True)
         eng = Engine(model, Budget.parse(args.budget), args.method, max_tokens=n + len(question) + RECALL_STEPS + 8,
