@@ -86,3 +86,16 @@ def test_dequant_rows_is_ggmls_dequantization_bit_for_bit(name):
     assert np.array_equal(got[~np.isnan(got)].view(np.uint32), want[~np.isnan(want)].view(np.uint32))
     with pytest.raises(ValueError, match="not blocks"):
         kernels.dequant_rows(raw[..., :-1], int(qtype))
+
+
+def test_gather_rows_copies_rows_of_chunks_into_a_strided_destination():
+    rng = np.random.default_rng(5)
+    chunks = [rng.integers(0, 255, (4, 18), dtype=np.uint8) for _ in range(5)]  # 5 chunks of 4 rows (q4_0-sized)
+    addr = np.array([c.ctypes.data for c in chunks], dtype=np.uintp)
+    ids = np.array([19, 0, 7, 7, 12, 3])
+    dst = np.zeros((len(ids), 3, 18), np.uint8)  # the rows go to head 1 of [m, Hkv, bytes]: 54 bytes apart
+    kernels.gather_rows(addr, 4, ids, dst[:, 1])
+    np.testing.assert_array_equal(dst[:, 1], np.concatenate(chunks)[ids])
+    assert not dst[:, [0, 2]].any()  # nothing written outside the rows
+    with pytest.raises(IndexError):
+        kernels.gather_rows(addr, 4, np.array([20]), dst[:1, 0])

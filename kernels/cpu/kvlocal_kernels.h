@@ -46,6 +46,11 @@ void kvl_f16_heads_f32(const unsigned short * src, int n, int n_head, int d, flo
  * Returns 0, or -1 for another type. */
 int kvl_dequant_rows(int type, const unsigned char * src, long n_blocks, float * dst);
 
+/* Rows gathered from a chunked store: row ids[i] is row ids[i] % chunk_rows of chunk ids[i] / chunk_rows,
+ * chunks[c] the address of chunk c's first row, rows row_bytes apart. Copies n rows of row_bytes bytes to
+ * dst + i * dst_stride. Returns 0, or -1 on bad sizes or an id outside the chunks (rows before it copied). */
+int kvl_gather_rows(const unsigned char * const * chunks, long n_chunks, long chunk_rows, const long * ids, long n, long row_bytes, unsigned char * dst, long dst_stride);
+
 /* Instruction set of the scoring kernels above: 0 generic (SSE2 / NEON / scalar), 1 AVX2+FMA,
  * 2 AVX-512; the widest the CPU supports is used. cap >= 0 limits it (tests and benchmarks compare the
  * levels; process-wide, not thread-safe); cap < 0 only asks. Returns the level now in use. */

@@ -115,6 +115,23 @@ def f16_heads_f32(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def gather_rows(chunks: np.ndarray, chunk_rows: int, ids: np.ndarray, dst: np.ndarray) -> None:
+    """Copy rows of a chunked store into ``dst`` ``[len(ids), ...]`` (a view; each row contiguous, rows any
+    stride apart): row ``i`` of ``dst`` gets row ``ids[i] % chunk_rows`` of the chunk at address
+    ``chunks[ids[i] // chunk_rows]`` (``chunks``: the chunks' first-row addresses, ``np.uintp``). The
+    caller keeps the chunks alive and sees that ``dst``'s rows have the chunks' row size."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    if len(ids) == 0:
+        return
+    row_bytes = dst[0].nbytes
+    if not dst[0].flags.c_contiguous:
+        raise ValueError("gather_rows: each destination row must be contiguous")
+    if lib.kvl_gather_rows(ffi.cast("unsigned char **", chunks.ctypes.data), len(chunks), chunk_rows,
+                           ffi.cast("long *", ids.ctypes.data), len(ids), row_bytes,
+                           ffi.cast("unsigned char *", dst.ctypes.data), dst.strides[0]) != 0:
+        raise IndexError("gather_rows: a row id outside the store")
+
+
 DEQUANT_BLOCK_BYTES = {8: 34, 2: 18, 3: 20, 6: 22, 7: 24}  # ggml type -> bytes of a block of 32 values
 
 

@@ -78,19 +78,13 @@ def with_candidates(read, tier: HostTier, cands: Candidates, backend, span: str 
     vnorm = np.full((n_layer, hkv, m), np.nan, np.float32)
     count = np.zeros((n_layer, hkv, m), np.int64)
     tier_ids = np.full((n_layer, hkv, m), -1, np.int64)
-    k_new, v_new = [], []
+    union, k_new, v_new = backend.extend(read, m)
     for l in range(n_layer):
-        row_k, row_v = tier.heads[l][0].row_k, tier.heads[l][0].row_v
-        k = np.zeros((m, hkv, *row_k[1]), dtype=row_k[0])
-        v = np.zeros((m, hkv, *row_v[1]), dtype=row_v[0])
         for h, ids in enumerate(cands.ids[l]):
             s = tier.heads[l][h]
-            k[:len(ids), h], v[:len(ids), h] = s.rows(ids)
+            s.rows_into(ids, k_new[l][:len(ids), h], v_new[l][:len(ids), h])
             true[l, h, :len(ids)], vnorm[l, h, :len(ids)] = s.pos[ids], s.vnorm[ids]
             count[l, h, :len(ids)], tier_ids[l, h, :len(ids)] = 1, ids
-        k_new.append(k)
-        v_new.append(v)
-    union = backend.extend(read, k_new, v_new)
 
     def join(device, new):
         return np.concatenate([device, new], axis=2)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvlocal.compress.kernels import gather_rows
 from kvlocal.errors import UsageError
 
 PAGE = 16  # rows per page (Quest uses 16)
@@ -115,6 +116,7 @@ class HeadStore:
     kmin: np.ndarray = None  # [n_pages, key_dim] float32
     kmax: np.ndarray = None
     chunks: list = field(default_factory=list)  # [(k [CHUNK, ...], v [CHUNK, ...])]
+    _addr: tuple = (np.zeros(0, np.uintp), np.zeros(0, np.uintp))  # the chunks' K and V addresses
 
     def __post_init__(self) -> None:
         if self.kmin is None:
@@ -137,18 +139,19 @@ class HeadStore:
 
     def rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """K and V of the rows ``ids``: ``[m, ...]`` each, copies."""
-        ids = np.asarray(ids, dtype=np.int64)
         k = np.empty((len(ids), *self.row_k[1]), dtype=self.row_k[0])
         v = np.empty((len(ids), *self.row_v[1]), dtype=self.row_v[0])
-        if len(ids) == 0:
-            return k, v
-        order = np.argsort(ids, kind="stable")  # chunk by chunk: one gather per chunk (ids come sorted by page)
-        c, r = np.divmod(ids[order], CHUNK)
-        cuts = np.flatnonzero(np.diff(c)) + 1
-        for a, b in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(ids)]])):
-            ck, cv = self.chunks[c[a]]
-            k[order[a:b]], v[order[a:b]] = ck[r[a:b]], cv[r[a:b]]
+        self.rows_into(ids, k, v)
         return k, v
+
+    def rows_into(self, ids: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Copy K and V of the rows ``ids`` into ``k``/``v`` ``[len(ids), ...]`` (views: rows any stride apart)."""
+        have = len(self._addr[0])
+        if have != len(self.chunks):  # chunks are only ever added: so are their addresses
+            self._addr = tuple(np.append(self._addr[i], np.array([c[i].ctypes.data for c in self.chunks[have:]], np.uintp))
+                               for i in (0, 1))
+        gather_rows(self._addr[0], CHUNK, ids, k)
+        gather_rows(self._addr[1], CHUNK, ids, v)
 
     def page_bounds(self, q: np.ndarray) -> np.ndarray:
         """``[n_pages]``: for each page the largest ``q·k`` any of its keys can reach, over the queries

@@ -154,11 +154,12 @@ class KVBackend:
         taken before it is applied."""
         raise NotImplementedError
 
-    def extend(self, read: CacheRead, k: list[np.ndarray], v: list[np.ndarray]) -> CacheRead:
-        """``read`` with ``m`` more cells after its own, holding candidate rows from the recall tier: per
-        compressed layer ``k[l]``/``v[l]`` ``[m, Hkv, ...]`` (:func:`~kvlocal.runtime.seqstate.row_format`).
-        Returns the extended read's ``pos`` and rows (the per-row arrays are the caller's). Nothing changes in
-        llama.cpp until a plan is applied."""
+    def extend(self, read: CacheRead, m: int) -> tuple[CacheRead, list[np.ndarray], list[np.ndarray]]:
+        """``read`` with ``m`` more cells after its own, for candidate rows from the recall tier. Returns the
+        extended read (its ``pos``, and its rows where the backend holds them; the per-row arrays are the
+        caller's) and per compressed layer the new cells' K and V ``[m, Hkv, ...]``
+        (:func:`~kvlocal.runtime.seqstate.row_format`), zeros for the caller to fill in place. Nothing changes
+        in llama.cpp until a plan is applied."""
         raise NotImplementedError
 
     # -- the cells ----------------------------------------------------------------------------------

@@ -219,8 +219,10 @@ class NativeBackend(KVBackend):
     def take_rows(self, read: CacheRead, l: int, cells: np.ndarray, heads: np.ndarray):
         return self.rows_of(read, l, cells, heads)
 
-    def extend(self, read: CacheRead, k: list[np.ndarray], v: list[np.ndarray]):
+    def extend(self, read: CacheRead, m: int):
         """The rows stay on the host until the plan keeps them (:meth:`apply`)."""
-        m = len(k[0])
+        (dk, sk), (dv, sv) = self._format_k, self._format_v
+        k = [np.zeros((m, self.n_head_kv, *sk), dk) for _ in self.layers]
+        v = [np.zeros((m, self.n_head_kv, *sv), dv) for _ in self.layers]
         pos = np.concatenate([read.pos, np.full(m, -1, np.int64)])
-        return CacheRead(pos, read.true, read.vnorm, read.count, kv=NativeRows(read.kv.n_device, k, v, read.kv.fetched))
+        return CacheRead(pos, read.true, read.vnorm, read.count, kv=NativeRows(read.kv.n_device, k, v, read.kv.fetched)), k, v

@@ -41,13 +41,19 @@ class StateBackend(KVBackend):
     def take_rows(self, read: CacheRead, l: int, cells: np.ndarray, heads: np.ndarray):
         return read.kv.k[l][cells, heads], read.kv.v[l][cells, heads]
 
-    def extend(self, read: CacheRead, k: list[np.ndarray], v: list[np.ndarray]):
-        """The rows join the host copy as cells without a position of their own (-1)."""
-        kv, m = read.kv, len(k[0])
+    def extend(self, read: CacheRead, m: int):
+        """The new cells join the host copy without a position of their own (-1)."""
+        kv, n = read.kv, read.n
+
+        def grown(rows):  # [n + m, Hkv, ...]: the cells, then m zero rows the caller fills
+            out = np.empty((n + m, *rows.shape[1:]), dtype=rows.dtype)
+            out[:n], out[n:] = rows, 0
+            return out
+
+        k, v = [grown(a) for a in kv.k], [grown(a) for a in kv.v]
         pos = np.concatenate([read.pos, np.full(m, -1, np.int64)])
-        union = dataclasses.replace(kv, k=[np.concatenate([a, b]) for a, b in zip(kv.k, k)],
-                                    v=[np.concatenate([a, b]) for a, b in zip(kv.v, v)], pos=pos.astype(np.int32))
-        return dataclasses.replace(read, pos=pos, kv=union)
+        union = dataclasses.replace(kv, k=k, v=v, pos=pos.astype(np.int32))
+        return dataclasses.replace(read, pos=pos, kv=union), [a[n:] for a in k], [a[n:] for a in v]
 
     def apply(self, read: CacheRead, plan: Plan) -> None:
         """Write the plan's rows into the cells: kept rows as they are, merged ones combined
