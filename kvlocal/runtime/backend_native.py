@@ -94,9 +94,12 @@ class NativeBackend(KVBackend):
             logits = self._host_logits(self.basis.queries(qs), host, None if bias is None else bias[:, :, n:], scale)  # [L, Hq, w, m]
             with np.errstate(invalid="ignore", divide="ignore"):
                 peak = logits.max(axis=3, initial=-np.inf)
-                lse = np.where(np.isfinite(peak), peak + np.log(np.exp(logits - peak[..., None]).sum(axis=3)), -np.inf)
+                seen = np.isfinite(peak)  # (a query that sees no host row has no mass there)
+                e = np.exp(logits - np.where(seen, peak, 0)[..., None])  # once: for the logsumexp and the weights
+                total = e.sum(axis=3)
+                lse = np.where(seen, peak + np.log(total), -np.inf)
                 votes, norms, share = self.ctx.score(qs, scale, device_bias, need, outside=lse)
-                host_votes = np.nan_to_num(np.exp(logits - lse[..., None]) * share[..., None]).mean(axis=2)
+                host_votes = (e * np.nan_to_num(np.where(seen, share / total, 0))[..., None]).mean(axis=2)
             votes = np.concatenate([votes, host_votes.astype(np.float32)], axis=2)
             if self.wo is not None:
                 self._host_vnorm(vnorm, host, read.true)
@@ -110,12 +113,13 @@ class NativeBackend(KVBackend):
 
     def _host_logits(self, qs: np.ndarray, host: NativeRows, bias: np.ndarray | None, scale: float) -> np.ndarray:
         """``scale * q·k + bias`` of the window queries ``qs`` (in the keys' basis) over the host rows: ``[n_layer, Hq, w, m]``."""
-        n_layer, hq = qs.shape[:2]
-        group = hq // self.n_head_kv
+        n_layer, hq, w, d = qs.shape
+        hkv = self.n_head_kv
+        group = hq // hkv
         out = []
         for l in range(n_layer):
             keys = self.basis.keys(host.k[l].transpose(1, 0, 2))  # [Hkv, m, d] float32
-            kq = np.einsum("gwd,gmd->gwm", qs[l], np.repeat(keys, group, axis=0)) * scale
+            kq = (qs[l].reshape(hkv, group * w, d) @ keys.transpose(0, 2, 1)).reshape(hq, w, -1) * scale  # a group's queries at once
             if bias is not None:
                 kq = kq + np.repeat(bias[l], group, axis=0)[:, None, :]
             out.append(kq)
