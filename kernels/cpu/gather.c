@@ -7,7 +7,6 @@
 
 #include "kvlocal_kernels.h"
 
-#include <stdint.h>
 #include <string.h>
 
 int kvl_gather_rows(const unsigned char * const * chunks, long n_chunks, long chunk_rows, const long * ids, long n,
