@@ -1,0 +1,89 @@
+"""Where an answer step's swap spends its time: the recall tier's re-selection, part by part.
+
+    python -m tools.profile_recall qwen2.5-coder-0.5b --tokens 4096
+    python -m tools.profile_recall smollm2-135m --tokens 4096 --backend native --step-confidence 0.9
+
+Reads ``--tokens`` of ``kvlocal bench``'s text with recall on (CriticalKV, budget 0.1), asks its question, then
+decodes ``--steps`` answer tokens, each re-selecting the cache with its own query (``--step-confidence 1``,
+the default here: every step swaps, so every step is a sample). Each part of a swap is timed by wrapping the
+engine's and the tier's functions with a wall clock; the table gives milliseconds per swap (parts nest:
+``_reselect`` holds ``with_candidates``, ``_plan`` and ``_apply``; the layers are planned on threads, so a part
+inside the plan is not timed separately). Figures of one run on one machine: compare parts with each other, or
+two runs made side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import time
+
+from kvlocal.cli.bench import QUESTION, long_text
+from kvlocal.engine import Engine
+from kvlocal.models import resolve
+from kvlocal.recall.tier import HeadStore, HostTier
+from kvlocal.runtime import Model
+import kvlocal.engine.engine as engine_module
+
+ENGINE_PARTS = ("_recall_step", "_observe", "_reselect", "_read", "_plan", "_apply")
+MODULE_PARTS = ("choose_candidates", "with_candidates", "evicted", "store_evicted")
+
+
+def timed(seconds: dict, calls: collections.Counter, owner, name: str, label: str) -> None:
+    """Replace ``owner.name`` by a wrapper that adds its wall time to ``seconds[label]``."""
+    f = getattr(owner, name)
+
+    @functools.wraps(f)
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return f(*a, **kw)
+        finally:
+            seconds[label] += time.perf_counter() - t0
+            calls[label] += 1
+
+    setattr(owner, name, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--backend", default="state", choices=["state", "native"])
+    ap.add_argument("--step-confidence", type=float, default=1.0)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    args = ap.parse_args()
+    model = Model(resolve(args.model))
+    question = model.tokenize(QUESTION, add_special=False)
+    eng = Engine(model, 0.1, "criticalkv", max_tokens=args.tokens + len(question) + args.steps + 8,
+                 n_threads=args.threads, recall=True, backend=args.backend,
+                 recall_step_confidence=args.step_confidence)
+    eng.prefill(long_text(model, args.tokens))
+    eng.append(question, probe=question, recall=True)
+
+    seconds: dict = collections.defaultdict(float)
+    calls: collections.Counter = collections.Counter()
+    for name in ENGINE_PARTS:
+        timed(seconds, calls, Engine, name, name)
+    for name in MODULE_PARTS:
+        timed(seconds, calls, engine_module, name, name)
+    for name in ("extend", "apply", "take_rows"):
+        timed(seconds, calls, type(eng.kv), name, f"kv.{name}")
+    timed(seconds, calls, HeadStore, "rows_into", "tier rows_into")
+    timed(seconds, calls, HostTier, "add", "tier add")
+    for _ in eng.generate(args.steps, stop_at_eog=False):
+        pass
+
+    s = eng.stats
+    swaps = max(1, s.recall_steps - s.recall_steps_confident)
+    print(f"{model.path.name} · {args.tokens:,} tokens read · {args.backend} backend · {s.recall_steps} steps, "
+          f"{swaps} swapped · prefill {s.prefill_seconds:.1f} s · swaps {s.recall_step_seconds:.2f} s")
+    print(f"{'part':<20} {'ms/swap':>8} {'calls':>6}")
+    for label, t in sorted(seconds.items(), key=lambda kv: -kv[1]):
+        print(f"{label:<20} {t * 1000 / swaps:>8.1f} {calls[label]:>6}")
+
+
+if __name__ == "__main__":
+    main()
