@@ -8,8 +8,9 @@ decodes ``--steps`` answer tokens, each re-selecting the cache with its own quer
 the default here: every step swaps, so every step is a sample). Each part of a swap is timed by wrapping the
 engine's and the tier's functions with a wall clock; the table gives milliseconds per swap (parts nest:
 ``_reselect`` holds ``with_candidates``, ``_plan`` and ``_apply``; the layers are planned on threads, so a part
-inside the plan is not timed separately). Figures of one run on one machine: compare parts with each other, or
-two runs made side by side.
+inside the plan is not timed separately). With ``--step-confidence`` below 1, ``_recall_step`` and ``_observe``
+also hold the decodes of the steps that kept theirs (divided by the swaps all the same). Figures of one run on one
+machine: compare parts with each other, or two runs made side by side.
 """
 
 from __future__ import annotations

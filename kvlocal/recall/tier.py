@@ -148,8 +148,8 @@ class HeadStore:
         """Copy K and V of the rows ``ids`` into ``k``/``v`` ``[len(ids), ...]`` (views: rows any stride apart)."""
         have = len(self._addr[0])
         if have != len(self.chunks):  # chunks are only ever added: so are their addresses
-            self._addr = tuple(np.append(self._addr[i], np.array([c[i].ctypes.data for c in self.chunks[have:]], np.uintp))
-                               for i in (0, 1))
+            new = [np.array([c[i].ctypes.data for c in self.chunks[have:]], np.uintp) for i in (0, 1)]
+            self._addr = (np.append(self._addr[0], new[0]), np.append(self._addr[1], new[1]))
         gather_rows(self._addr[0], CHUNK, ids, k)
         gather_rows(self._addr[1], CHUNK, ids, v)
 

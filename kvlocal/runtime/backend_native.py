@@ -119,7 +119,8 @@ class NativeBackend(KVBackend):
         out = []
         for l in range(n_layer):
             keys = self.basis.keys(host.k[l].transpose(1, 0, 2))  # [Hkv, m, d] float32
-            kq = (qs[l].reshape(hkv, group * w, d) @ keys.transpose(0, 2, 1)).reshape(hq, w, -1) * scale  # a group's queries at once
+            # a KV head's whole group of queries in one product: [Hkv, G*w, d] @ [Hkv, d, m]
+            kq = (qs[l].reshape(hkv, group * w, d) @ keys.transpose(0, 2, 1)).reshape(hq, w, -1) * scale
             if bias is not None:
                 kq = kq + np.repeat(bias[l], group, axis=0)[:, None, :]
             out.append(kq)
@@ -229,4 +230,5 @@ class NativeBackend(KVBackend):
         k = [np.zeros((m, self.n_head_kv, *sk), dk) for _ in self.layers]
         v = [np.zeros((m, self.n_head_kv, *sv), dv) for _ in self.layers]
         pos = np.concatenate([read.pos, np.full(m, -1, np.int64)])
-        return CacheRead(pos, read.true, read.vnorm, read.count, kv=NativeRows(read.kv.n_device, k, v, read.kv.fetched)), k, v
+        rows = NativeRows(read.kv.n_device, k, v, read.kv.fetched)
+        return CacheRead(pos, read.true, read.vnorm, read.count, kv=rows), k, v
