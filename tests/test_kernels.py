@@ -99,3 +99,60 @@ def test_gather_rows_copies_rows_of_chunks_into_a_strided_destination():
     assert not dst[:, [0, 2]].any()  # nothing written outside the rows
     with pytest.raises(IndexError):
         kernels.gather_rows(addr, 4, np.array([20]), dst[:1, 0])
+
+
+def random_layer(rng, *, votes_given=False):
+    """A layer of random size (cells in shuffled order, empty rows, merged rows' bias, some norms known)."""
+    from kvlocal.compress import LayerInputs
+
+    hkv, group, d = int(rng.integers(1, 4)), int(rng.choice([1, 3, 7])), 16
+    n, w = int(rng.choice([0, 1, 9, 150])), int(rng.integers(1, 12))
+    pos = np.stack([rng.permutation(2 * n)[:n] for _ in range(hkv)]).astype(np.int64)
+    pos[rng.random(pos.shape) < 0.2] = -1
+    if rng.random() < 0.3:  # one position for every head: [n]
+        pos = rng.permutation(2 * n)[:n].astype(np.int64)
+    top = int(np.max(pos, initial=0))
+    q_pos = np.sort(rng.integers(max(top - 20, 0), top + 3, size=w))
+    k, v = (rng.standard_normal((hkv, n, d)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((hkv * group, w, d)).astype(np.float32)
+    live = np.broadcast_to(pos, (hkv, n)) >= 0
+    bias = np.where(live, np.log(rng.integers(1, 4, (hkv, n))), -np.inf).astype(np.float32) if rng.random() < 0.3 else None
+    vnorm = np.abs(rng.standard_normal((hkv, n))).astype(np.float32)
+    vnorm[rng.random(vnorm.shape) < (0.05 if votes_given else 0.6)] = np.nan
+    extra = dict(k=k, v=v)
+    if votes_given:  # the native backend's inputs: votes from the device, K/V stay there
+        extra = dict(k=None, v=None, votes=kernels.window_votes(q[:, -8:], q_pos[-8:], k, pos, bias))
+        pos = np.broadcast_to(pos, (hkv, n)).copy()
+    return LayerInputs(pos=pos, q=q, q_pos=q_pos, wo=rng.standard_normal((24, hkv * group * d)).astype(np.float32),
+                       recent=None if rng.random() < 0.6 else int(rng.integers(0, 12)), bias=bias, vnorm=vnorm, **extra)
+
+
+@pytest.mark.parametrize("votes_given", [False, True])
+def test_attention_keep_is_the_scorers_keep(votes_given):
+    # kvl_attention_keep (SnapKV's and CriticalKV's keep() in one call) against the numpy scorers it replaces:
+    # the same kept cells (max pooling makes plateaus: ties go to the later position in both), the same
+    # norms written back, the same refusal where a norm is needed and the rows are not on the host
+    import copy
+
+    from kvlocal.compress import CriticalKV, Scorer, SnapKV
+
+    rng = np.random.default_rng(11 + votes_given)
+    refused = 0
+    for case in range(150):
+        layer = random_layer(rng, votes_given=votes_given)
+        snap = SnapKV(window_size=8, kernel_size=int(rng.choice([1, 7])), pooling=str(rng.choice(["max", "avg"])))
+        for scorer in (snap, CriticalKV(snap, first_stage_ratio=float(rng.choice([0.5, 0.3])))):
+            budget = int(rng.integers(0, layer.n + 3))
+            mine, theirs = copy.deepcopy(layer), copy.deepcopy(layer)
+            try:
+                want = Scorer.keep(scorer, theirs, budget)  # the numpy steps
+            except ValueError as e:
+                refused += 1
+                with pytest.raises(ValueError, match="needs the norms"):
+                    scorer.keep(mine, budget)
+                assert "needs the norms" in str(e)
+                continue
+            got = scorer.keep(mine, budget)
+            assert got.dtype == want.dtype and np.array_equal(got, want), f"case {case} {scorer}"
+            np.testing.assert_array_equal(mine.vnorm, theirs.vnorm)
+    assert refused == 0 if not votes_given else refused > 0

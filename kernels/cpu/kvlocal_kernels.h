@@ -51,6 +51,16 @@ int kvl_dequant_rows(int type, const unsigned char * src, long n_blocks, float *
  * dst + i * dst_stride. Returns 0, or -1 on bad sizes or an id outside the chunks (rows before it copied). */
 int kvl_gather_rows(const unsigned char * const * chunks, long n_chunks, long chunk_rows, const long * ids, long n, long row_bytes, unsigned char * dst, long dst_stride);
 
+/* One layer's kept cells under SnapKV (vnorm NULL) or CriticalKV over SnapKV (kernels/cpu/keep.c has the steps):
+ * the scorers' keep() in one call. votes [n_head, n] the window votes, or NULL to compute them from q [n_head,
+ * w, d] and k [n_kv, n, d] (kvl_window_votes_f32); q_pos [w] the window queries' positions; pos [n_kv, n] (-1
+ * = empty row), bias [n_kv, n] or NULL; recent < 0: the window is pos >= min(q_pos), else the `recent` latest
+ * positions; vnorm [n_kv, n] the projected value norms (NaN = unknown: computed from v [n_kv, n, d] and
+ * wo [D, ld], HF o_proj layout, where stage 2 needs them, and written there). budget [n_kv]: each head keeps min(budget, live rows). Writes
+ * keep [n_kv, max_width]: each head's cells in position order in its last slots, -1 before; *width: the most
+ * any head keeps. Returns 0, -1 on bad sizes or out of memory, -2 when a norm is needed and v or wo is NULL. */
+int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, int n_head, int w, const float * k, const float * v, const int * pos, const float * bias, int n_kv, int n, int d, int n_sink, int recent, int kernel, int pool_kind, const float * wo, int ld, int D, double alpha, float eps, float * vnorm, const int * budget, int max_width, int * keep, int * width);
+
 /* Instruction set of the scoring kernels above: 0 generic (SSE2 / NEON / scalar), 1 AVX2+FMA,
  * 2 AVX-512; the widest the CPU supports is used. cap >= 0 limits it (tests and benchmarks compare the
  * levels; process-wide, not thread-safe); cap < 0 only asks. Returns the level now in use. */

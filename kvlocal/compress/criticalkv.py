@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvlocal.compress.base import LayerInputs, Scorer, top_cells, vnorm_l1
-from kvlocal.compress.snapkv import SnapKV
+from kvlocal.compress.snapkv import SnapKV, fused_keep
 
 
 def projected_value_norms(v: np.ndarray, wo: np.ndarray, n_head: int,
@@ -82,3 +82,7 @@ class CriticalKV(Scorer):
         crit[ranked] = (scores[ranked] + np.float32(self.epsilon)) * vnorm[ranked]
         crit[first] = np.inf
         return crit
+
+    def keep(self, layer: LayerInputs, budget: int) -> np.ndarray:
+        fused = fused_keep(self.press, layer, budget, critical=self) if type(self.press) is SnapKV else None
+        return super().keep(layer, budget) if fused is None else fused

@@ -180,3 +180,43 @@ def simd_level(cap: str | None = None) -> str:
     (tests and benchmarks compare the levels); returns the level now in use.
     """
     return SIMD_LEVELS[lib.kvl_simd_level(-1 if cap is None else SIMD_LEVELS.index(cap))]
+
+
+def attention_keep(votes, q, q_pos, k, v, pos, bias, *, n_sink: int, recent: int | None, kernel: int, pooling: str,
+                   budget: int, wo=None, vnorm=None, alpha: float = 0.5, epsilon: float = 1e-4) -> np.ndarray:
+    """One layer's kept cells ``[Hkv, B]`` under SnapKV, or CriticalKV over SnapKV where ``vnorm`` is given —
+    what ``SnapKV().keep`` / ``CriticalKV(SnapKV()).keep`` return, in one call (kernels/cpu/keep.c).
+
+    votes: ``[Hq, n]`` window votes, or None to compute them from q ``[Hq, w, d]`` (the window queries) and
+    k ``[Hkv, n, d]``; q_pos ``[w]``; pos ``[Hkv, n]`` (-1: empty row); bias ``[Hkv, n]`` or None; recent: the
+    protected recent span (None: the cells at or after the first window query). vnorm ``[Hkv, n]`` float32,
+    NaN where unknown: the norms stage 2 needs are computed from v and wo (``[D, Hq*d]``) and written into
+    it. ``budget``: each head keeps ``min(budget, live rows)``."""
+    hkv, n = pos.shape
+    hq, w = (votes.shape[0], len(q_pos)) if votes is not None else q.shape[:2]
+    d = q.shape[2] if q is not None else (k.shape[2] if k is not None else 1)
+    qp = _i32(q_pos).reshape(-1)
+    p = _i32(pos)
+    f32 = (lambda a: None if a is None else np.ascontiguousarray(a, dtype=np.float32))
+    votes, q, k, v, bias, wo = (f32(a) for a in (votes, q, k, v, bias, wo))
+    vn = None if vnorm is None else (vnorm if vnorm.flags.c_contiguous else np.ascontiguousarray(vnorm))
+    budgets = np.full(hkv, max(int(budget), 0), dtype=np.int32)
+    max_width = min(max(int(budget), 0), n)
+    keep = np.empty((hkv, max(max_width, 1)), dtype=np.int32)
+    width = ffi.new("int *")
+
+    def ptr(a, ctype="float *"):
+        return ffi.NULL if a is None else _ptr(a, ctype)
+
+    rc = lib.kvl_attention_keep(ptr(votes), ptr(q), _ptr(qp, "int *"), hq, w, ptr(k), ptr(v), _ptr(p, "int *"),
+                                ptr(bias), hkv, n, d, n_sink, -1 if recent is None else recent, kernel,
+                                POOL_KINDS[pooling], ptr(wo), wo.shape[1] if wo is not None else 0,
+                                wo.shape[0] if wo is not None else 0, alpha, np.float32(epsilon), ptr(vn),
+                                _ptr(budgets, "int *"), max_width, _ptr(keep, "int *"), width)
+    if rc == -2:
+        raise ValueError("CriticalKV without v needs the norms of every cell it ranks")
+    if rc != 0:
+        raise MemoryError("kvl_attention_keep failed (bad sizes, or out of memory)")
+    if vn is not None and vn is not vnorm:
+        vnorm[...] = vn
+    return keep[:, max_width - width[0]:max_width].astype(np.int64)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvlocal.compress import kernels
-from kvlocal.compress.base import LayerInputs, Scorer, check_window_params, order_by_pos, window_votes
+from kvlocal.compress.base import LayerInputs, Scorer, check_window_params, native_scoring, order_by_pos, window_votes
 
 
 @dataclass
@@ -64,3 +64,32 @@ class SnapKV(Scorer):
                 scores[g, rows] = pooled.mean(axis=0)  # [G, m] -> [m]
         scores[layer.protected(q_pos)] = np.inf
         return scores
+
+    def keep(self, layer: LayerInputs, budget: int) -> np.ndarray:
+        fused = fused_keep(self, layer, budget)
+        return super().keep(layer, budget) if fused is None else fused
+
+
+def fused_keep(snap: SnapKV, layer: LayerInputs, budget: int, critical=None) -> np.ndarray | None:
+    """``snap.keep`` (or ``critical.keep``, CriticalKV over ``snap``) in one kernel call
+    (:func:`kvlocal.compress.kernels.attention_keep`: the same steps, the same kept cells), or None where the
+    numpy scorers must run: the generic build (:func:`~kvlocal.compress.base.native_scoring`), grouped rows,
+    inputs the scorers refuse (their error), rows that stay on the device without votes."""
+    if (type(snap) is not SnapKV or not native_scoring() or layer.q is None or (layer.groups is not None and (layer.groups >= 0).any())
+            or (layer.k is None and layer.votes is None)
+            or (critical is not None and layer.wo is None and layer.v is not None)):
+        return None
+    w = snap.window_size
+    vnorm = None
+    if critical is not None:
+        vnorm = layer.vnorm if layer.vnorm is not None else np.full((layer.n_kv, layer.n), np.nan, np.float32)
+    try:
+        return kernels.attention_keep(
+            layer.votes, None if layer.votes is not None else layer.q[:, -w:], layer.q_pos[-w:], layer.k,
+            None if critical is None else layer.v, layer.pos_h, layer.bias, n_sink=layer.n_sink,
+            recent=layer.recent, kernel=snap.kernel_size, pooling=snap.pooling, budget=budget,
+            wo=None if critical is None else layer.wo, vnorm=vnorm,
+            alpha=0.5 if critical is None else critical.first_stage_ratio,
+            epsilon=1e-4 if critical is None else critical.epsilon)
+    except ValueError as e:
+        raise ValueError(f"layer {layer.layer}: {e}") from None

@@ -1,0 +1,204 @@
+/* One layer's kept cells under SnapKV, or CriticalKV over SnapKV, in one call (kvl_attention_keep).
+ *
+ * The scorers in kvlocal/compress are written in numpy, a few dozen array operations per layer and KV
+ * head around the kernels of window.c, vnorm.c, pool.c and topk.c. At the sizes of an event (a few
+ * KV heads of a few thousand cells) those operations cost more than the arithmetic; this file runs
+ * the same steps, in the same order and with the same kernels, so its kept cells are the scorers'
+ * (tests/test_kernels.py checks them on random layers against the numpy path). Per KV head:
+ *
+ *   1. the cells in position order (stable), the live ones (pos >= 0), the protected ones (sinks
+ *      below n_sink, and the observation window: pos >= min(q_pos), or the `recent` latest);
+ *   2. SnapKV: each query head's window votes over the live cells outside the window, in position
+ *      order, pooled (kernel, max or avg), summed over the group's heads in order and divided by G;
+ *      protected cells +inf, empty rows -inf;
+ *   3. CriticalKV (vnorm given): stage 1 the top int(alpha * b) by that score, stage 2 ranks the rest
+ *      by (score + eps) * ||v W_O||_1, the norms computed only where vnorm[] is NaN (and written there);
+ *   4. the top b (ties to the later position), in position order, right-aligned in `width` slots. */
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off") /* (s + eps) * norm as numpy rounds it: two float operations */
+#endif
+
+#include "kvlocal_kernels.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int by_key(const void * a, const void * b) {
+    const int64_t x = *(const int64_t *) a, y = *(const int64_t *) b;
+    return (x > y) - (x < y);
+}
+
+/* cells of one head in position order, stable (equal positions by index): order [n] */
+static void position_order(const int * pos, int n, int64_t * keys, int * order) {
+    for (int j = 0; j < n; j++) {
+        keys[j] = ((int64_t) pos[j] + 1) << 32 | (int64_t) j; /* empty rows (-1) first */
+    }
+    qsort(keys, (size_t) n, sizeof(int64_t), by_key);
+    for (int j = 0; j < n; j++) {
+        order[j] = (int) (keys[j] & 0xffffffff);
+    }
+}
+
+/* the top k of x over the cells, ties to the later position: mark[c] = 1 for the chosen cells.
+ * desc [n]: the cells in descending position order (kvl_topk_f32 breaks ties to the lower index). */
+static int top_marked(const float * x, const int * desc, int n, int k, float * scratch, int * idx, unsigned char * mark) {
+    memset(mark, 0, (size_t) n);
+    if (k <= 0) {
+        return 0;
+    }
+    for (int i = 0; i < n; i++) {
+        scratch[i] = x[desc[i]];
+    }
+    if (kvl_topk_f32(scratch, 1, n, k, idx) != 0) {
+        return -1;
+    }
+    for (int i = 0; i < k; i++) {
+        mark[desc[idx[i]]] = 1;
+    }
+    return 0;
+}
+
+int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, int n_head, int w,
+                       const float * k, const float * v, const int * pos, const float * bias, int n_kv, int n, int d,
+                       int n_sink, int recent, int kernel, int pool_kind,
+                       const float * wo, int ld, int D, double alpha, float eps, float * vnorm,
+                       const int * budget, int max_width, int * keep, int * width) {
+    if (n_head <= 0 || n_kv <= 0 || n_head % n_kv != 0 || w < 0 || n < 0 || d <= 0 || kernel < 1 || kernel % 2 == 0 ||
+        (!votes && (!q || !k)) || (wo && (ld < n_head * d || D <= 0))) {
+        return -1;
+    }
+    const int group = n_head / n_kv;
+    const int nn    = n > 0 ? n : 1;
+    float   * own   = votes ? NULL : malloc(sizeof(float) * (size_t) n_head * nn);
+    int64_t * keys  = malloc(sizeof(int64_t) * (size_t) nn);
+    int     * order = malloc(sizeof(int) * (size_t) nn * 2);   /* ascending, then descending (live) positions */
+    int     * rows  = malloc(sizeof(int) * (size_t) nn * 2);   /* pooled rows, then topk's indices */
+    float   * buf   = malloc(sizeof(float) * (size_t) nn * (2 * group + 3));
+    unsigned char * flag = malloc((size_t) nn * 3);
+    int rc = 0;
+    if ((!votes && !own) || !keys || !order || !rows || !buf || !flag) {
+        rc = -1;
+        goto done;
+    }
+    if (!votes) {
+        if (kvl_window_votes_f32(q, q_pos, n_head, w, k, pos, bias, n_kv, n, d, own) != 0) {
+            rc = -1;
+            goto done;
+        }
+        votes = own;
+    }
+    int q_min = INT32_MAX;
+    for (int i = 0; i < w; i++) {
+        q_min = q_pos[i] < q_min ? q_pos[i] : q_min;
+    }
+    int * desc = order + nn, * idx = rows + nn;
+    float * x = buf, * y = buf + (size_t) nn * group, * score = buf + (size_t) nn * 2 * group;
+    float * crit = score + nn, * scratch = crit + nn;
+    unsigned char * protect = flag, * first = flag + nn, * mark = flag + 2 * nn;
+    int widest = 0;
+    for (int g = 0; g < n_kv && rc == 0; g++) {
+        const int * p = pos + (long) g * n;
+        position_order(p, n, keys, order);
+        int lo = INT32_MAX; /* the observation window: live cells at lo or later */
+        if (recent >= 0) {
+            lo = recent > 0 && n > 0 ? p[order[n - recent > 0 ? n - recent : 0]] : INT32_MAX;
+        } else if (w > 0) {
+            lo = q_min;
+        }
+        int n_live = 0, m = 0;
+        for (int j = 0; j < n; j++) {
+            const int c = order[j], live = p[c] >= 0;
+            n_live += live;
+            protect[c] = live && (p[c] < n_sink || p[c] >= lo);
+            if (live && p[c] < lo) {
+                rows[m++] = c; /* outside the window: pooled, in position order */
+            }
+        }
+        for (int j = 0; j < n_live; j++) {
+            desc[j] = order[n - 1 - j];
+        }
+        for (int j = n_live; j < n; j++) {
+            desc[j] = order[j - n_live];
+        }
+        /* SnapKV */
+        for (int c = 0; c < n; c++) {
+            score[c] = -INFINITY;
+        }
+        if (m > 0) {
+            for (int h = 0; h < group; h++) {
+                const float * vh = votes + (long) (g * group + h) * n;
+                for (int j = 0; j < m; j++) {
+                    x[(long) h * m + j] = vh[rows[j]];
+                }
+            }
+            kvl_pool1d_f32(x, y, group, m, kernel, pool_kind);
+            for (int j = 0; j < m; j++) {
+                float s = y[j];
+                for (int h = 1; h < group; h++) {
+                    s += y[(long) h * m + j];
+                }
+                score[rows[j]] = s / (float) group;
+            }
+        }
+        for (int c = 0; c < n; c++) {
+            if (protect[c]) {
+                score[c] = INFINITY;
+            }
+        }
+        const int b = budget[g] < 0 ? 0 : budget[g] < n_live ? budget[g] : n_live;
+        const float * ranking = score;
+        /* CriticalKV */
+        if (vnorm) {
+            float * vn = vnorm + (long) g * n;
+            if (top_marked(score, desc, n, (int) (alpha * (double) b), scratch, idx, first) != 0) {
+                rc = -1;
+                break;
+            }
+            int todo = 0;
+            for (int c = 0; c < n; c++) {
+                if (!first[c] && isfinite(score[c]) && isnan(vn[c])) {
+                    rows[todo++] = c;
+                }
+            }
+            if (todo > 0) {
+                if (!v || !wo) {
+                    rc = -2;
+                    break;
+                }
+                if (kvl_vnorm_l1_f32(v + (long) g * n * d, n, d, wo + (long) g * group * d, ld, group, D, rows, todo,
+                                     scratch) != 0) {
+                    rc = -1;
+                    break;
+                }
+                for (int i = 0; i < todo; i++) {
+                    vn[rows[i]] = scratch[i];
+                }
+            }
+            for (int c = 0; c < n; c++) {
+                crit[c] = first[c] ? INFINITY : isfinite(score[c]) ? (score[c] + eps) * vn[c] : score[c];
+            }
+            ranking = crit;
+        }
+        if (b > max_width || top_marked(ranking, desc, n, b, scratch, idx, mark) != 0) {
+            rc = -1;
+            break;
+        }
+        int * out = keep + (long) g * max_width;
+        for (int i = 0; i < max_width - b; i++) {
+            out[i] = -1;
+        }
+        for (int j = 0, i = max_width - b; j < n; j++) {
+            if (mark[order[j]]) {
+                out[i++] = order[j];
+            }
+        }
+        widest = b > widest ? b : widest;
+    }
+    *width = widest;
+done:
+    free(own); free(keys); free(order); free(rows); free(buf); free(flag);
+    return rc;
+}
