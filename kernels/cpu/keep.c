@@ -26,39 +26,86 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int by_key(const void * a, const void * b) {
-    const int64_t x = *(const int64_t *) a, y = *(const int64_t *) b;
-    return (x > y) - (x < y);
+/* cells of one head in position order, stable (equal positions by index; empty rows, -1, first): order [n].
+ * An LSD radix sort on pos + 1, 11 bits a pass; scratch [n] ints. */
+static void position_order(const int * pos, int n, int * order, int * scratch) {
+    unsigned top = 0;
+    for (int j = 0; j < n; j++) {
+        order[j] = j;
+        top = (unsigned) (pos[j] + 1) > top ? (unsigned) (pos[j] + 1) : top;
+    }
+    int * src = order, * dst = scratch;
+    for (int shift = 0; shift == 0 || (shift < 32 && top >> shift); shift += 11) {
+        int count[2049] = { 0 };
+        for (int j = 0; j < n; j++) {
+            count[(((unsigned) (pos[src[j]] + 1)) >> shift & 2047) + 1]++;
+        }
+        for (int b = 0; b < 2048; b++) {
+            count[b + 1] += count[b];
+        }
+        for (int j = 0; j < n; j++) {
+            dst[count[((unsigned) (pos[src[j]] + 1)) >> shift & 2047]++] = src[j];
+        }
+        int * t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != order) {
+        memcpy(order, src, sizeof(int) * (size_t) n);
+    }
 }
 
-/* cells of one head in position order, stable (equal positions by index): order [n] */
-static void position_order(const int * pos, int n, int64_t * keys, int * order) {
-    for (int j = 0; j < n; j++) {
-        keys[j] = ((int64_t) pos[j] + 1) << 32 | (int64_t) j; /* empty rows (-1) first */
+/* a float's rank as an unsigned integer (larger float, larger key; NaN the smallest, as kvl_topk_f32 ranks it) */
+static uint32_t float_key(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) {
+        return 0;
     }
-    qsort(keys, (size_t) n, sizeof(int64_t), by_key);
-    for (int j = 0; j < n; j++) {
-        order[j] = (int) (keys[j] & 0xffffffff);
+    return u & 0x80000000u ? ~u : u | 0x80000000u;
+}
+
+/* the k-th largest of a[0..n) (distinct keys) moved to a[k-1], the larger ones before it (quickselect) */
+static void select_largest(uint64_t * a, int n, int k) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int mid = lo + (hi - lo) / 2;
+        uint64_t x = a[mid], y = a[lo], z = a[hi]; /* median of three as the pivot */
+        const uint64_t pivot = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > pivot) i++;
+            while (a[j] < pivot) j--;
+            if (i <= j) {
+                const uint64_t t = a[i];
+                a[i++] = a[j];
+                a[j--] = t;
+            }
+        }
+        if (k - 1 <= j) {
+            hi = j;
+        } else if (k - 1 >= i) {
+            lo = i;
+        } else {
+            return;
+        }
     }
 }
 
 /* the top k of x over the cells, ties to the later position: mark[c] = 1 for the chosen cells.
- * desc [n]: the cells in descending position order (kvl_topk_f32 breaks ties to the lower index). */
-static int top_marked(const float * x, const int * desc, int n, int k, float * scratch, int * idx, unsigned char * mark) {
+ * desc [n]: the cells in descending position order (the earlier in desc wins a tie); keys [n] scratch. */
+static void top_marked(const float * x, const int * desc, int n, int k, uint64_t * keys, unsigned char * mark) {
     memset(mark, 0, (size_t) n);
     if (k <= 0) {
-        return 0;
+        return;
     }
     for (int i = 0; i < n; i++) {
-        scratch[i] = x[desc[i]];
+        keys[i] = (uint64_t) float_key(x[desc[i]]) << 32 | (uint32_t) (n - 1 - i);
     }
-    if (kvl_topk_f32(scratch, 1, n, k, idx) != 0) {
-        return -1;
-    }
+    select_largest(keys, n, k);
     for (int i = 0; i < k; i++) {
-        mark[desc[idx[i]]] = 1;
+        mark[desc[n - 1 - (int) (keys[i] & 0xffffffffu)]] = 1;
     }
-    return 0;
 }
 
 int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, int n_head, int w,
@@ -73,13 +120,14 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
     const int group = n_head / n_kv;
     const int nn    = n > 0 ? n : 1;
     float   * own   = votes ? NULL : malloc(sizeof(float) * (size_t) n_head * nn);
-    int64_t * keys  = malloc(sizeof(int64_t) * (size_t) nn);
+    int     * keys  = malloc(sizeof(int) * (size_t) nn);           /* the sort's scratch */
     int     * order = malloc(sizeof(int) * (size_t) nn * 2);   /* ascending, then descending (live) positions */
-    int     * rows  = malloc(sizeof(int) * (size_t) nn * 2);   /* pooled rows, then topk's indices */
+    int     * rows  = malloc(sizeof(int) * (size_t) nn);       /* pooled rows, then rows without a norm */
+    uint64_t * rank = malloc(sizeof(uint64_t) * (size_t) nn);  /* the selections' keys */
     float   * buf   = malloc(sizeof(float) * (size_t) nn * (2 * group + 3));
     unsigned char * flag = malloc((size_t) nn * 3);
     int rc = 0;
-    if ((!votes && !own) || !keys || !order || !rows || !buf || !flag) {
+    if ((!votes && !own) || !keys || !order || !rows || !rank || !buf || !flag) {
         rc = -1;
         goto done;
     }
@@ -94,14 +142,14 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
     for (int i = 0; i < w; i++) {
         q_min = q_pos[i] < q_min ? q_pos[i] : q_min;
     }
-    int * desc = order + nn, * idx = rows + nn;
+    int * desc = order + nn;
     float * x = buf, * y = buf + (size_t) nn * group, * score = buf + (size_t) nn * 2 * group;
     float * crit = score + nn, * scratch = crit + nn;
     unsigned char * protect = flag, * first = flag + nn, * mark = flag + 2 * nn;
     int widest = 0;
     for (int g = 0; g < n_kv && rc == 0; g++) {
         const int * p = pos + (long) g * n;
-        position_order(p, n, keys, order);
+        position_order(p, n, order, keys);
         int lo = INT32_MAX; /* the observation window: live cells at lo or later */
         if (recent >= 0) {
             lo = recent > 0 && n > 0 ? p[order[n - recent > 0 ? n - recent : 0]] : INT32_MAX;
@@ -153,10 +201,7 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
         /* CriticalKV */
         if (vnorm) {
             float * vn = vnorm + (long) g * n;
-            if (top_marked(score, desc, n, (int) (alpha * (double) b), scratch, idx, first) != 0) {
-                rc = -1;
-                break;
-            }
+            top_marked(score, desc, n, (int) (alpha * (double) b), rank, first);
             int todo = 0;
             for (int c = 0; c < n; c++) {
                 if (!first[c] && isfinite(score[c]) && isnan(vn[c])) {
@@ -182,10 +227,11 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
             }
             ranking = crit;
         }
-        if (b > max_width || top_marked(ranking, desc, n, b, scratch, idx, mark) != 0) {
+        if (b > max_width) {
             rc = -1;
             break;
         }
+        top_marked(ranking, desc, n, b, rank, mark);
         int * out = keep + (long) g * max_width;
         for (int i = 0; i < max_width - b; i++) {
             out[i] = -1;
@@ -199,6 +245,6 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
     }
     *width = widest;
 done:
-    free(own); free(keys); free(order); free(rows); free(buf); free(flag);
+    free(own); free(keys); free(order); free(rows); free(rank); free(buf); free(flag);
     return rc;
 }
