@@ -435,6 +435,8 @@ class Scorer:
 
 def kept_counts(layer: LayerInputs, keep: np.ndarray) -> np.ndarray | None:
     """``[Hkv, B]`` counts of the kept cells ``keep`` (0 for ``-1``), or ``None`` if every live row counts 1."""
+    if layer.bias is None or not (layer.bias > 0).any():  # (log(count) > 0 only where a row stands for several)
+        return None
     counts = layer.counts
     if np.all(counts[layer.live] == 1):
         return None

@@ -177,12 +177,15 @@ class Plan:
         for il, lp in enumerate(layers):
             k = np.asarray(lp.keep, dtype=np.int64)
             pad = width - k.shape[1]
-            k = np.pad(k, ((0, 0), (pad, 0)), constant_values=EMPTY)
+            if pad:
+                k = np.pad(k, ((0, 0), (pad, 0)), constant_values=EMPTY)
             p = np.asarray(pos if np.ndim(pos) == 1 else pos[il], dtype=np.int64)
             p = np.broadcast_to(p, (k.shape[0], p.shape[-1]))
             keep.append(k)
             positions.append(np.where(k >= 0, np.take_along_axis(p, np.maximum(k, 0), axis=1), EMPTY))
-            c = (k >= 0).astype(np.int64) if lp.counts is None else np.pad(lp.counts, ((0, 0), (pad, 0)))
+            c = (k >= 0).astype(np.int64) if lp.counts is None else lp.counts
+            if pad and lp.counts is not None:
+                c = np.pad(c, ((0, 0), (pad, 0)))
             counts.append(c)
             merges.append(None if lp.merges is None else
                           [dict(m, slots=m["slots"] + pad) for m in map(merge_arrays, lp.merges)])

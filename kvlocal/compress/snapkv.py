@@ -75,7 +75,8 @@ def fused_keep(snap: SnapKV, layer: LayerInputs, budget: int, critical=None) -> 
     (:func:`kvlocal.compress.kernels.attention_keep`: the same steps, the same kept cells), or None where the
     numpy scorers must run: the generic build (:func:`~kvlocal.compress.base.native_scoring`), grouped rows,
     inputs the scorers refuse (their error), rows that stay on the device without votes."""
-    if (type(snap) is not SnapKV or not native_scoring() or layer.q is None or (layer.groups is not None and (layer.groups >= 0).any())
+    grouped = layer.groups is not None and (layer.groups >= 0).any()
+    if (type(snap) is not SnapKV or not native_scoring() or layer.q is None or grouped
             or (layer.k is None and layer.votes is None)
             or (critical is not None and layer.wo is None and layer.v is not None)):
         return None
