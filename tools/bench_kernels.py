@@ -3,12 +3,16 @@
     python -m tools.bench_kernels                 # SmolLM2-135M shapes: 30 layers, 9/3 heads, d 64, D 576
     python -m tools.bench_kernels --n 4096 --budget 2048 --simd generic
     python -m tools.bench_kernels --plan --n 1500 --budget 750   # one event's plan_layers, every method
+    python -m tools.bench_kernels --layers 24 --n 2096 --budget 416 --heads 14 2 --hidden 896 --window 1 \
+        --known-norms 0.999                      # a recall swap on Qwen2.5-Coder-0.5B at 4K
 
 Random inputs of a real model's shapes (the timings do not depend on the values). Each step is timed
 per layer (median over layers and repeats) and for all layers (median over repeats); "numpy" replaces
 the two scoring kernels (:func:`kvlocal.compress.kernels.window_votes`, :func:`kvlocal.compress.kernels.vnorm_l1`) by
 their readable numpy definitions (:mod:`kvlocal.compress.numpy_kernels`) and the F16 cache's conversion
-(:func:`kvlocal.compress.kernels.f16_heads_f32`) by numpy's; pooling and top-k stay native in both. The two alternate layer by layer, so the ratio holds on a busy machine. numpy's BLAS may use
+(:func:`kvlocal.compress.kernels.f16_heads_f32`) by numpy's; pooling and top-k stay native in both. The "event"
+rows' C column is ``keep()`` in one call (:func:`kvlocal.compress.kernels.attention_keep`), except the last
+row's: the scorers' numpy steps around the C kernels, what the one call replaces. The two alternate layer by layer, so the ratio holds on a busy machine. numpy's BLAS may use
 several threads: set ``OPENBLAS_NUM_THREADS=1`` on a machine shared with other work.
 """
 
@@ -16,28 +20,43 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import time
 
 import numpy as np
 
-from kvlocal.compress import kernels
+from kvlocal.compress import kernels, snapkv
 from kvlocal.compress import make_scorer, numpy_kernels
-from kvlocal.compress.base import LayerInputs, native_scoring, plan_layers, select
+from kvlocal.compress.base import LayerInputs, Scorer, native_scoring, plan_layers, select
 from kvlocal.compress.criticalkv import CriticalKV
 from kvlocal.compress.snapkv import SnapKV
 
 
-def make_layers(n_layer: int, n: int, n_head: int, n_kv: int, d: int, big_d: int, w: int, seed: int = 0):
+def make_layers(n_layer: int, n: int, n_head: int, n_kv: int, d: int, big_d: int, w: int, seed: int = 0,
+                known: float = 0.0):
+    """Random layers; ``known``: the share of cells whose projected value norm is already known (as the engine
+    carries them between events: only the new rows' are computed), 0 = none given."""
     rng = np.random.default_rng(seed)
     pos = rng.permutation(n)  # cells in shuffled order, as after evictions
     q_pos = np.arange(n - w, n)
     wo = (rng.standard_normal((big_d, n_head * d)) * 0.05).astype(np.float32)
-    return [
-        LayerInputs(k=rng.standard_normal((n_kv, n, d), dtype=np.float32),
-                    v=rng.standard_normal((n_kv, n, d), dtype=np.float32), pos=pos,
-                    q=rng.standard_normal((n_head, w, d), dtype=np.float32), q_pos=q_pos, wo=wo, layer=il)
-        for il in range(n_layer)
-    ]
+    layers = []
+    for il in range(n_layer):
+        v = rng.standard_normal((n_kv, n, d), dtype=np.float32)
+        vnorm = None
+        if known > 0:
+            group = n_head // n_kv
+            vnorm = np.stack([kernels.vnorm_l1(v[g], wo, g * group, group) for g in range(n_kv)])
+            vnorm[rng.random(vnorm.shape) >= known] = np.nan
+        layers.append(LayerInputs(k=rng.standard_normal((n_kv, n, d), dtype=np.float32), v=v, pos=pos,
+                                  q=rng.standard_normal((n_head, w, d), dtype=np.float32), q_pos=q_pos, wo=wo,
+                                  layer=il, vnorm=vnorm))
+    return layers
+
+
+def fresh(layer: LayerInputs) -> LayerInputs:
+    """``layer`` with its own copy of the known norms (a CriticalKV keep writes the ones it computes)."""
+    return layer if layer.vnorm is None else dataclasses.replace(layer, vnorm=layer.vnorm.copy())
 
 
 def numpy_f16_heads(x: np.ndarray) -> np.ndarray:
@@ -47,14 +66,17 @@ def numpy_f16_heads(x: np.ndarray) -> np.ndarray:
 
 @contextlib.contextmanager
 def numpy_definitions():
-    """Swap the two scoring kernels and the F16 conversion for their numpy definitions."""
+    """Swap the two scoring kernels and the F16 conversion for their numpy definitions, and run keep() as the
+    scorers' numpy steps (not :func:`kvlocal.compress.snapkv.fused_keep`)."""
     saved = kernels.window_votes, kernels.vnorm_l1, kernels.f16_heads_f32
     kernels.window_votes, kernels.vnorm_l1 = numpy_kernels.window_votes, numpy_kernels.vnorm_l1
     kernels.f16_heads_f32 = numpy_f16_heads
+    snapkv.FUSED = False
     try:
         yield
     finally:
         kernels.window_votes, kernels.vnorm_l1, kernels.f16_heads_f32 = saved
+        snapkv.FUSED = True
 
 
 def timed(fn, layers, repeat: int, clock=time.perf_counter) -> dict[str, tuple[float, float]]:
@@ -92,7 +114,7 @@ def steps(budget: int):
 
     def stage2_rows(layer, scores):
         b = np.full(layer.n_kv, min(budget, layer.n))
-        return crit.rerank(layer, scores, b)
+        return crit.rerank(fresh(layer), scores, b)
 
     cache, cells = {}, {}
 
@@ -112,7 +134,8 @@ def steps(budget: int):
         ("projected value norms, all cells", vnorm_all),
         ("CriticalKV rerank (stage 1 + norms of stage-2 cells)", lambda layer: stage2_rows(layer, cache[layer.layer])),
         ("event: SnapKV keep", lambda layer: snap.keep(layer, budget)),
-        ("event: CriticalKV(SnapKV) keep", lambda layer: crit.keep(layer, budget)),
+        ("event: CriticalKV(SnapKV) keep", lambda layer: crit.keep(fresh(layer), budget)),
+        ("event: CriticalKV(SnapKV) keep, numpy steps", lambda layer: Scorer.keep(crit, fresh(layer), budget)),
     ]
 
 
@@ -145,6 +168,8 @@ def main(argv=None) -> None:
     ap.add_argument("--hidden", type=int, default=576)
     ap.add_argument("--window", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--known-norms", type=float, default=0.0, metavar="SHARE",
+                    help="share of cells whose value norm is known (a recall swap: 0.999; default 0: every one computed)")
     ap.add_argument("--simd", choices=kernels.SIMD_LEVELS, help="cap the kernels' instruction set")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: this process's CPU time (steadier on a shared machine; counts every BLAS thread)")
@@ -152,9 +177,11 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.simd:
         kernels.simd_level(args.simd)
-    layers = make_layers(args.layers, args.n, args.heads[0], args.heads[1], args.head_dim, args.hidden, args.window)
+    layers = make_layers(args.layers, args.n, args.heads[0], args.heads[1], args.head_dim, args.hidden, args.window,
+                         known=args.known_norms)
     print(f"{args.layers} layers, n={args.n}, budget={args.budget}, Hq/Hkv={args.heads[0]}/{args.heads[1]}, "
-          f"d={args.head_dim}, D={args.hidden}, w={args.window}; kernels: {kernels.simd_level()}; {args.clock} clock")
+          f"d={args.head_dim}, D={args.hidden}, w={args.window}, known norms {args.known_norms:g}; "
+          f"kernels: {kernels.simd_level()}; {args.clock} clock")
     if not native_scoring():
         print("(at this level the scorers use numpy: only the two kernel rows compare C with numpy)")
     clock = time.perf_counter if args.clock == "wall" else time.process_time

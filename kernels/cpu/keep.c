@@ -12,7 +12,10 @@
  *      order, pooled (kernel, max or avg), summed over the group's heads in order and divided by G;
  *      protected cells +inf, empty rows -inf;
  *   3. CriticalKV (vnorm given): stage 1 the top int(alpha * b) by that score, stage 2 ranks the rest
- *      by (score + eps) * ||v W_O||_1, the norms computed only where vnorm[] is NaN (and written there);
+ *      by (score + eps) * ||v W_O||_1, the norms computed where vnorm[] is NaN (and written there) —
+ *      and, if any is, those of the rows stage 1 and the window hold (not the sinks'): reading W_O, not
+ *      the arithmetic, is what a few rows cost, and a later event that ranks them (a new question's
+ *      stage 1 differs, the window moves) then finds their norms instead of reading W_O for a few rows;
  *   4. the top b (ties to the later position), in position order, right-aligned in `width` slots. */
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -208,7 +211,12 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
                     rows[todo++] = c;
                 }
             }
-            if (todo > 0) {
+            if (todo > 0) { /* W_O is read anyway: the rows a later event may rank too (not the sinks) */
+                for (int c = 0; c < n; c++) {
+                    if (p[c] >= n_sink && isnan(vn[c]) && (first[c] || score[c] == INFINITY)) {
+                        rows[todo++] = c;
+                    }
+                }
                 if (!v || !wo) {
                     rc = -2;
                     break;

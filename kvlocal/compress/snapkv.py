@@ -10,6 +10,9 @@ from kvlocal.compress import kernels
 from kvlocal.compress.base import LayerInputs, Scorer, check_window_params, native_scoring, order_by_pos, window_votes
 
 
+FUSED = True  # keep() in one kernel call where it can (fused_keep); tools/bench_kernels turns it off to compare
+
+
 @dataclass
 class SnapKV(Scorer):
     """Window-attention vote, pooled along positions, averaged over each GQA group.
@@ -76,7 +79,7 @@ def fused_keep(snap: SnapKV, layer: LayerInputs, budget: int, critical=None) -> 
     numpy scorers must run: the generic build (:func:`~kvlocal.compress.base.native_scoring`), grouped rows,
     inputs the scorers refuse (their error), rows that stay on the device without votes."""
     grouped = layer.groups is not None and (layer.groups >= 0).any()
-    if (type(snap) is not SnapKV or not native_scoring() or layer.q is None or grouped
+    if (not FUSED or type(snap) is not SnapKV or not native_scoring() or layer.q is None or grouped
             or (layer.k is None and layer.votes is None)
             or (critical is not None and layer.wo is None and layer.v is not None)):
         return None
