@@ -131,7 +131,7 @@ def random_layer(rng, *, votes_given=False):
 def test_attention_keep_is_the_scorers_keep(votes_given):
     # kvl_attention_keep (SnapKV's and CriticalKV's keep() in one call) against the numpy scorers it replaces:
     # the same kept cells (max pooling makes plateaus: ties go to the later position in both), the same
-    # norms written back (and, where any is computed, those of stage 1's and the window's rows, exact), the
+    # norms written back (and, where a few are computed, those of stage 1's and the window's rows, exact), the
     # same refusal where a norm is needed and the rows are not on the host
     import copy
 

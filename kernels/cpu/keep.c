@@ -13,9 +13,10 @@
  *      protected cells +inf, empty rows -inf;
  *   3. CriticalKV (vnorm given): stage 1 the top int(alpha * b) by that score, stage 2 ranks the rest
  *      by (score + eps) * ||v W_O||_1, the norms computed where vnorm[] is NaN (and written there) —
- *      and, if any is, those of the rows stage 1 and the window hold (not the sinks'): reading W_O, not
- *      the arithmetic, is what a few rows cost, and a later event that ranks them (a new question's
- *      stage 1 differs, the window moves) then finds their norms instead of reading W_O for a few rows;
+ *      and, if 1 to AHEAD_BELOW are, those of the rows stage 1 and the window hold (not the sinks'):
+ *      reading W_O, not the arithmetic, is what a few rows cost, and a later event that ranks them (a
+ *      new question's stage 1 differs, the window moves) then finds their norms instead of reading
+ *      W_O again for a few rows (a prefill event's chunk needs many: nothing ahead there);
  *   4. the top b (ties to the later position), in position order, right-aligned in `width` slots. */
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -28,6 +29,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* fewer rows than this, whose W_O read costs more than their arithmetic: compute ahead (step 3) */
+#define AHEAD_BELOW 32
 
 /* cells of one head in position order, stable (equal positions by index; empty rows, -1, first): order [n].
  * An LSD radix sort on pos + 1, 11 bits a pass; scratch [n] ints. */
@@ -211,8 +215,9 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
                     rows[todo++] = c;
                 }
             }
-            if (todo > 0) { /* W_O is read anyway: the rows a later event may rank too (not the sinks) */
-                for (int c = 0; c < n; c++) {
+            if (todo > 0) {
+                const int ahead = todo <= AHEAD_BELOW; /* a few rows: those a later event may rank too */
+                for (int c = 0; ahead && c < n; c++) {
                     if (p[c] >= n_sink && isnan(vn[c]) && (first[c] || score[c] == INFINITY)) {
                         rows[todo++] = c;
                     }
