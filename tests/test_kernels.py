@@ -101,8 +101,9 @@ def test_gather_rows_copies_rows_of_chunks_into_a_strided_destination():
         kernels.gather_rows(addr, 4, np.array([20]), dst[:1, 0])
 
 
-def random_layer(rng, *, votes_given=False):
-    """A layer of random size (cells in shuffled order, empty rows, merged rows' bias, some norms known)."""
+def random_layer(rng, *, votes_given=False, half_values=False):
+    """A layer of random size (cells in shuffled order, empty rows, merged rows' bias, some norms known);
+    ``half_values``: its values an F16 cache's cells ``[n, Hkv, d]``, seen as ``[Hkv, n, d]``."""
     from kvlocal.compress import LayerInputs
 
     hkv, group, d = int(rng.integers(1, 4)), int(rng.choice([1, 3, 7])), 16
@@ -119,6 +120,8 @@ def random_layer(rng, *, votes_given=False):
     bias = np.where(live, np.log(rng.integers(1, 4, (hkv, n))), -np.inf).astype(np.float32) if rng.random() < 0.3 else None
     vnorm = np.abs(rng.standard_normal((hkv, n))).astype(np.float32)
     vnorm[rng.random(vnorm.shape) < (0.05 if votes_given else 0.6)] = np.nan
+    if half_values:
+        v = v.transpose(1, 0, 2).astype(np.float16).transpose(1, 0, 2)
     extra = dict(k=k, v=v)
     if votes_given:  # the native backend's inputs: votes from the device, K/V stay there
         extra = dict(k=None, v=None, votes=kernels.window_votes(q[:, -8:], q_pos[-8:], k, pos, bias))
@@ -127,21 +130,23 @@ def random_layer(rng, *, votes_given=False):
                        recent=None if rng.random() < 0.6 else int(rng.integers(0, 12)), bias=bias, vnorm=vnorm, **extra)
 
 
-@pytest.mark.parametrize("votes_given", [False, True])
-def test_attention_keep_is_the_scorers_keep(votes_given):
+@pytest.mark.parametrize("inputs", ["host", "half values", "votes given"])
+def test_attention_keep_is_the_scorers_keep(inputs):
     # kvl_attention_keep (SnapKV's and CriticalKV's keep() in one call) against the numpy scorers it replaces:
     # the same kept cells (max pooling makes plateaus: ties go to the later position in both), the same
     # norms written back (and, where a few are computed, those of stage 1's and the window's rows, exact), the
-    # same refusal where a norm is needed and the rows are not on the host
+    # same refusal where a norm is needed and the rows are not on the host; an F16 cache's values, converted
+    # only where a norm is computed, give the norms of the values converted whole
     import copy
 
     from kvlocal.compress import CriticalKV, Scorer, SnapKV
     from kvlocal.compress.criticalkv import projected_value_norms
 
+    votes_given = inputs == "votes given"
     rng = np.random.default_rng(11 + votes_given)
     refused = more = 0
     for case in range(150):
-        layer = random_layer(rng, votes_given=votes_given)
+        layer = random_layer(rng, votes_given=votes_given, half_values=inputs == "half values")
         snap = SnapKV(window_size=8, kernel_size=int(rng.choice([1, 7])), pooling=str(rng.choice(["max", "avg"])))
         for scorer in (snap, CriticalKV(snap, first_stage_ratio=float(rng.choice([0.5, 0.3])))):
             budget = int(rng.integers(0, layer.n + 3))
@@ -163,7 +168,7 @@ def test_attention_keep_is_the_scorers_keep(votes_given):
             more += extra.sum()
             if extra.any():
                 assert (layer.pos_h[extra] >= layer.n_sink).all()
-                exact = np.stack(projected_value_norms(layer.v, layer.wo, layer.n_head))
+                exact = np.stack(projected_value_norms(layer.v.astype(np.float32), layer.wo, layer.n_head))
                 np.testing.assert_array_equal(mine.vnorm[extra], exact[extra])
     assert refused == 0 if not votes_given else refused > 0
     assert more > 0 if not votes_given else more == 0

@@ -17,7 +17,10 @@
  *      reading W_O, not the arithmetic, is what a few rows cost, and a later event that ranks them (a
  *      new question's stage 1 differs, the window moves) then finds their norms instead of reading
  *      W_O again for a few rows (a prefill event's chunk needs many: nothing ahead there);
- *   4. the top b (ties to the later position), in position order, right-aligned in `width` slots. */
+ *   4. the top b (ties to the later position), in position order, right-aligned in `width` slots.
+ *
+ * The values come as float32 rows [n_kv][n][d], or (v16, v NULL) as an F16 cache's cells [n][n_kv][d], of which
+ * only the rows that need a norm are converted: most of a recall swap's rows bring their norms along. */
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=off") /* (s + eps) * norm as numpy rounds it: two float operations */
@@ -62,61 +65,24 @@ static void position_order(const int * pos, int n, int * order, int * scratch) {
     }
 }
 
-/* a float's rank as an unsigned integer (larger float, larger key; NaN the smallest, as kvl_topk_f32 ranks it) */
-static uint32_t float_key(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if (f != f) {
-        return 0;
+/* the norms of KV head g's rows[0..m) whose values are F16 cells v16 [n][n_kv][d]: converted (exactly) row by
+ * row, only these, then as from float32 rows; out [m]. Returns 0, or -1 (out of memory). */
+static int vnorm_f16_rows(const unsigned short * v16, int n_kv, int g, int d, const float * wo, int ld, int group,
+                          int D, const int * rows, int m, float * out) {
+    float * vf = malloc(sizeof(float) * (size_t) m * d);
+    if (!vf) {
+        return -1;
     }
-    return u & 0x80000000u ? ~u : u | 0x80000000u;
-}
-
-/* the k-th largest of a[0..n) (distinct keys) moved to a[k-1], the larger ones before it (quickselect) */
-static void select_largest(uint64_t * a, int n, int k) {
-    int lo = 0, hi = n - 1;
-    while (lo < hi) {
-        const int mid = lo + (hi - lo) / 2;
-        uint64_t x = a[mid], y = a[lo], z = a[hi]; /* median of three as the pivot */
-        const uint64_t pivot = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
-        int i = lo, j = hi;
-        while (i <= j) {
-            while (a[i] > pivot) i++;
-            while (a[j] < pivot) j--;
-            if (i <= j) {
-                const uint64_t t = a[i];
-                a[i++] = a[j];
-                a[j--] = t;
-            }
-        }
-        if (k - 1 <= j) {
-            hi = j;
-        } else if (k - 1 >= i) {
-            lo = i;
-        } else {
-            return;
-        }
+    for (int i = 0; i < m; i++) {
+        kvl_f16_heads_f32(v16 + ((long) rows[i] * n_kv + g) * d, 1, 1, d, vf + (long) i * d);
     }
-}
-
-/* the top k of x over the cells, ties to the later position: mark[c] = 1 for the chosen cells.
- * desc [n]: the cells in descending position order (the earlier in desc wins a tie); keys [n] scratch. */
-static void top_marked(const float * x, const int * desc, int n, int k, uint64_t * keys, unsigned char * mark) {
-    memset(mark, 0, (size_t) n);
-    if (k <= 0) {
-        return;
-    }
-    for (int i = 0; i < n; i++) {
-        keys[i] = (uint64_t) float_key(x[desc[i]]) << 32 | (uint32_t) (n - 1 - i);
-    }
-    select_largest(keys, n, k);
-    for (int i = 0; i < k; i++) {
-        mark[desc[n - 1 - (int) (keys[i] & 0xffffffffu)]] = 1;
-    }
+    const int rc = kvl_vnorm_l1_f32(vf, m, d, wo, ld, group, D, NULL, m, out);
+    free(vf);
+    return rc;
 }
 
 int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, int n_head, int w,
-                       const float * k, const float * v, const int * pos, const float * bias, int n_kv, int n, int d,
+                       const float * k, const float * v, const unsigned short * v16, const int * pos, const float * bias, int n_kv, int n, int d,
                        int n_sink, int recent, int kernel, int pool_kind,
                        const float * wo, int ld, int D, double alpha, float eps, float * vnorm,
                        const int * budget, int max_width, int * keep, int * width) {
@@ -130,7 +96,7 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
     int     * keys  = malloc(sizeof(int) * (size_t) nn);           /* the sort's scratch */
     int     * order = malloc(sizeof(int) * (size_t) nn * 2);   /* ascending, then descending (live) positions */
     int     * rows  = malloc(sizeof(int) * (size_t) nn);       /* pooled rows, then rows without a norm */
-    uint64_t * rank = malloc(sizeof(uint64_t) * (size_t) nn);  /* the selections' keys */
+    unsigned long long * rank = malloc(sizeof(unsigned long long) * (size_t) nn);  /* the selections' keys */
     float   * buf   = malloc(sizeof(float) * (size_t) nn * (2 * group + 3));
     unsigned char * flag = malloc((size_t) nn * 3);
     int rc = 0;
@@ -208,7 +174,7 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
         /* CriticalKV */
         if (vnorm) {
             float * vn = vnorm + (long) g * n;
-            top_marked(score, desc, n, (int) (alpha * (double) b), rank, first);
+            kvl_top_marked(score, desc, n, (int) (alpha * (double) b), rank, first);
             int todo = 0;
             for (int c = 0; c < n; c++) {
                 if (!first[c] && isfinite(score[c]) && isnan(vn[c])) {
@@ -222,12 +188,13 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
                         rows[todo++] = c;
                     }
                 }
-                if (!v || !wo) {
+                if ((!v && !v16) || !wo) {
                     rc = -2;
                     break;
                 }
-                if (kvl_vnorm_l1_f32(v + (long) g * n * d, n, d, wo + (long) g * group * d, ld, group, D, rows, todo,
-                                     scratch) != 0) {
+                const float * wg = wo + (long) g * group * d;
+                if (v ? kvl_vnorm_l1_f32(v + (long) g * n * d, n, d, wg, ld, group, D, rows, todo, scratch)
+                      : vnorm_f16_rows(v16, n_kv, g, d, wg, ld, group, D, rows, todo, scratch)) {
                     rc = -1;
                     break;
                 }
@@ -244,7 +211,7 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
             rc = -1;
             break;
         }
-        top_marked(ranking, desc, n, b, rank, mark);
+        kvl_top_marked(ranking, desc, n, b, rank, mark);
         int * out = keep + (long) g * max_width;
         for (int i = 0; i < max_width - b; i++) {
             out[i] = -1;

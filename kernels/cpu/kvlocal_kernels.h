@@ -14,6 +14,11 @@ void kvl_pool1d_f32(const float * src, float * dst, int n_rows, int n, int kerne
  * NaN counts as smaller than every number. Returns 0, or -1 if k > n or k < 0 or when out of memory. */
 int kvl_topk_f32(const float * src, int n_rows, int n, int k, int * idx);
 
+/* The k largest of x [n] (k clipped to [0, n]), marked: mark [n] = 1 for the chosen cells, 0 for the others.
+ * NaN counts as smaller than every number, -0 as +0; ties go to the cell earlier in order [n] (a permutation of
+ * the cells), or with order NULL to the lower index. keys [n] is scratch. kvl_topk_f32 is this per row. */
+void kvl_top_marked(const float * x, const int * order, int n, int k, unsigned long long * keys, unsigned char * mark);
+
 /* Window attention votes (SnapKV scoring). q [n_head, w, d] window queries after RoPE with positions
  * q_pos [w]; k [n_kv, n, d] cached keys after RoPE with positions pos [n_kv, n] (any cell order) and an
  * optional additive logit bias [n_kv, n] (NULL = 0). Query head h reads KV head h / (n_head / n_kv).
@@ -56,10 +61,11 @@ int kvl_gather_rows(const unsigned char * const * chunks, long n_chunks, long ch
  * w, d] and k [n_kv, n, d] (kvl_window_votes_f32); q_pos [w] the window queries' positions; pos [n_kv, n] (-1
  * = empty row), bias [n_kv, n] or NULL; recent < 0: the window is pos >= min(q_pos), else the `recent` latest
  * positions; vnorm [n_kv, n] the projected value norms (NaN = unknown: computed from v [n_kv, n, d] and
- * wo [D, ld], HF o_proj layout, where stage 2 needs them, and written there). budget [n_kv]: each head keeps min(budget, live rows). Writes
+ * wo [D, ld], HF o_proj layout, where stage 2 needs them, and written there; with v NULL, from v16, an F16
+ * cache's cells [n][n_kv][d], converted row by row where needed). budget [n_kv]: each head keeps min(budget, live rows). Writes
  * keep [n_kv, max_width]: each head's cells in position order in its last slots, -1 before; *width: the most
- * any head keeps. Returns 0, -1 on bad sizes or out of memory, -2 when a norm is needed and v or wo is NULL. */
-int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, int n_head, int w, const float * k, const float * v, const int * pos, const float * bias, int n_kv, int n, int d, int n_sink, int recent, int kernel, int pool_kind, const float * wo, int ld, int D, double alpha, float eps, float * vnorm, const int * budget, int max_width, int * keep, int * width);
+ * any head keeps. Returns 0, -1 on bad sizes or out of memory, -2 when a norm is needed and v, v16 or wo is NULL. */
+int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, int n_head, int w, const float * k, const float * v, const unsigned short * v16, const int * pos, const float * bias, int n_kv, int n, int d, int n_sink, int recent, int kernel, int pool_kind, const float * wo, int ld, int D, double alpha, float eps, float * vnorm, const int * budget, int max_width, int * keep, int * width);
 
 /* Instruction set of the scoring kernels above: 0 generic (SSE2 / NEON / scalar), 1 AVX2+FMA,
  * 2 AVX-512; the widest the CPU supports is used. cap >= 0 limits it (tests and benchmarks compare the

@@ -1,63 +1,72 @@
+/* Top-k selection: the k largest of a row, marked (kvl_top_marked) or listed in index order (kvl_topk_f32).
+ *
+ * Each value becomes one 64-bit key: its float's rank as an unsigned integer in the high half, its tie rank
+ * in the low half. The keys are then distinct, and a quickselect (median-of-three pivots, O(n) on average)
+ * puts the k largest first: no comparison function, no heap. Every selection of the scorers goes through
+ * here (the numpy steps' top_cells and kvl_attention_keep's), so their kept cells agree by construction. */
+
 #include "kvlocal_kernels.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-/* "a ranks before b": larger value first, NaN last, lower index first on ties */
-static int ranks_before(float va, int ia, float vb, int ib) {
-    const int na = va != va;
-    const int nb = vb != vb;
-    if (na != nb) {
-        return nb;
+typedef unsigned long long key_t;
+
+/* a float's rank as an unsigned integer: larger float, larger key; -0 as +0; NaN below everything */
+static unsigned float_key(float f) {
+    unsigned u;
+    if (f != f) {
+        return 0;
     }
-    if (!na && va != vb) {
-        return va > vb;
+    if (f == 0.0f) {
+        f = 0.0f;
     }
-    return ia < ib;
+    memcpy(&u, &f, sizeof u);
+    return u & 0x80000000u ? ~u : u | 0x80000000u;
 }
 
-/* sift-down in a heap of selected indices whose root is the one nearest the boundary of the selection:
- * the worst of the k best (worst = 0), or the best of the m worst (worst = 1) */
-static void sift_down(int * heap, int k, int i, const float * x, int worst) {
-    for (;;) {
-        int edge = i;
-        const int l = 2 * i + 1;
-        const int r = l + 1;
-        for (int c = l; c <= r && c < k; c++) {
-            const int nearer = worst ? ranks_before(x[heap[c]], heap[c], x[heap[edge]], heap[edge])
-                                     : ranks_before(x[heap[edge]], heap[edge], x[heap[c]], heap[c]);
-            if (nearer) {
-                edge = c;
+/* the k-th largest of a[0..n) (distinct keys) moved to a[k-1], the larger ones before it */
+static void select_largest(key_t * a, int n, int k) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int   mid = lo + (hi - lo) / 2;
+        const key_t x = a[mid], y = a[lo], z = a[hi];
+        const key_t pivot = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > pivot) i++;
+            while (a[j] < pivot) j--;
+            if (i <= j) {
+                const key_t t = a[i];
+                a[i++] = a[j];
+                a[j--] = t;
             }
         }
-        if (edge == i) {
+        if (k - 1 <= j) {
+            hi = j;
+        } else if (k - 1 >= i) {
+            lo = i;
+        } else {
             return;
         }
-        const int t = heap[i];
-        heap[i] = heap[edge];
-        heap[edge] = t;
-        i = edge;
     }
 }
 
-/* the m indices of x[0..n) nearest one end of the ranking (the m best, or with worst = 1 the m worst)
- * into heap [m], by a heap over the first m and one pass over the rest */
-static void select_heap(const float * x, int n, int m, int * heap, int worst) {
-    if (m == 0) {
+void kvl_top_marked(const float * x, const int * order, int n, int k, unsigned long long * keys, unsigned char * mark) {
+    memset(mark, 0, (size_t) (n > 0 ? n : 0));
+    k = k < n ? k : n;
+    if (k <= 0) {
         return;
     }
-    for (int i = 0; i < m; i++) {
-        heap[i] = i;
+    for (int i = 0; i < n; i++) {
+        keys[i] = (key_t) float_key(x[order ? order[i] : i]) << 32 | (unsigned) (n - 1 - i);
     }
-    for (int i = m / 2 - 1; i >= 0; i--) {
-        sift_down(heap, m, i, x, worst);
+    if (k < n) {
+        select_largest(keys, n, k);
     }
-    for (int i = m; i < n; i++) {
-        const int in = worst ? ranks_before(x[heap[0]], heap[0], x[i], i) : ranks_before(x[i], i, x[heap[0]], heap[0]);
-        if (in) {
-            heap[0] = i;
-            sift_down(heap, m, 0, x, worst);
-        }
+    for (int i = 0; i < k; i++) {
+        const int r = n - 1 - (int) (keys[i] & 0xffffffffu);
+        mark[order ? order[r] : r] = 1;
     }
 }
 
@@ -68,32 +77,23 @@ int kvl_topk_f32(const float * src, int n_rows, int n, int k, int * idx) {
     if (k == 0 || n_rows <= 0) {
         return 0;
     }
-    /* keeping most of a row (a budget's usual case) selects the few it drops; either way the chosen
-     * indices are marked and read back in increasing order (no sort) */
-    const int      worst = n - k < k;
-    const int      m     = worst ? n - k : k;
+    key_t         * keys = malloc(sizeof(key_t) * (size_t) n);
     unsigned char * mark = malloc((size_t) n);
-    int           * heap = malloc(sizeof(int) * (size_t) (m > 0 ? m : 1));
-    if (!mark || !heap) {
+    if (!keys || !mark) {
+        free(keys);
         free(mark);
-        free(heap);
         return -1;
     }
     for (int r = 0; r < n_rows; r++) {
-        const float * x = src + (long) r * n;
-        int         * out = idx + (long) r * k;
-        memset(mark, worst, (size_t) n);
-        select_heap(x, n, m, heap, worst);
-        for (int i = 0; i < m; i++) {
-            mark[heap[i]] = (unsigned char) !worst;
-        }
+        int * out = idx + (long) r * k;
+        kvl_top_marked(src + (long) r * n, NULL, n, k, keys, mark);
         for (int i = 0, j = 0; i < n; i++) {
             if (mark[i]) {
                 out[j++] = i;
             }
         }
     }
+    free(keys);
     free(mark);
-    free(heap);
     return 0;
 }

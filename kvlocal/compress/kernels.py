@@ -82,14 +82,16 @@ def vnorm_l1(v: np.ndarray, wo: np.ndarray, first_head: int, n_group: int,
     (``o_proj.weight``; ``W_O^h = wo[:, h*d:(h+1)*d].T``, read in place, no transposed copy); rows:
     optional cell indices (default all n). Readable numpy version: ``kvlocal.compress.numpy_kernels.vnorm_l1``.
     """
+    r = None if rows is None else _i32(rows).reshape(-1)
+    if r is not None and r.size and (r.min() < 0 or r.max() >= v.shape[0]):
+        raise ValueError(f"row index out of range for {v.shape[0]} rows")
+    if v.dtype != np.float32 and r is not None:  # half-float rows (exact in float32): only those asked for
+        v, r = v[r], None
     v = np.ascontiguousarray(v, dtype=np.float32)
     wo = np.ascontiguousarray(wo, dtype=np.float32)
     (n, d), (big_d, ld) = v.shape, wo.shape
     if not (0 <= first_head and n_group >= 1 and (first_head + n_group) * d <= ld):
         raise ValueError(f"heads {first_head}..{first_head + n_group - 1} of d={d} do not fit in wo {wo.shape}")
-    r = None if rows is None else _i32(rows).reshape(-1)
-    if r is not None and r.size and (r.min() < 0 or r.max() >= n):
-        raise ValueError(f"row index out of range for {n} rows")
     m = n if r is None else r.shape[0]
     out = np.empty(m, dtype=np.float32)
     w_ptr = ffi.cast("float *", ffi.from_buffer(wo)) + first_head * d
@@ -179,7 +181,15 @@ def simd_level(cap: str | None = None) -> str:
     The widest one the CPU supports is chosen at run time. ``cap`` limits it for the whole process
     (tests and benchmarks compare the levels); returns the level now in use.
     """
-    return SIMD_LEVELS[lib.kvl_simd_level(-1 if cap is None else SIMD_LEVELS.index(cap))]
+    global _simd_level
+    # C is asked once, and when capped: a call into it gives up the GIL and on its way back waits for the
+    # plan's threads to let go of it (0.2 ms a call measured in a prefill), and the scorers ask at every layer
+    if cap is not None or _simd_level is None:
+        _simd_level = SIMD_LEVELS[lib.kvl_simd_level(-1 if cap is None else SIMD_LEVELS.index(cap))]
+    return _simd_level
+
+
+_simd_level = None
 
 
 def attention_keep(votes, q, q_pos, k, v, pos, bias, *, n_sink: int, recent: int | None, kernel: int, pooling: str,
@@ -191,13 +201,17 @@ def attention_keep(votes, q, q_pos, k, v, pos, bias, *, n_sink: int, recent: int
     k ``[Hkv, n, d]``; q_pos ``[w]``; pos ``[Hkv, n]`` (-1: empty row); bias ``[Hkv, n]`` or None; recent: the
     protected recent span (None: the cells at or after the first window query). vnorm ``[Hkv, n]`` float32,
     NaN where unknown: the norms stage 2 needs are computed from v and wo (``[D, Hq*d]``) and written into
-    it. ``budget``: each head keeps ``min(budget, live rows)``."""
+    it; v may be float16 (an F16 cache's rows, a ``[Hkv, n, d]`` view of its cells ``[n, Hkv, d]``): then only the
+    rows that need a norm are converted. ``budget``: each head keeps ``min(budget, live rows)``."""
     hkv, n = pos.shape
     hq, w = (votes.shape[0], len(q_pos)) if votes is not None else q.shape[:2]
     d = q.shape[2] if q is not None else (k.shape[2] if k is not None else 1)
     qp = _i32(q_pos).reshape(-1)
     p = _i32(pos)
     f32 = (lambda a: None if a is None else np.ascontiguousarray(a, dtype=np.float32))
+    v16 = None
+    if v is not None and v.dtype == np.float16:  # the cells [n, Hkv, d] as the cache holds them
+        v16, v = np.ascontiguousarray(v.transpose(1, 0, 2)), None
     votes, q, k, v, bias, wo = (f32(a) for a in (votes, q, k, v, bias, wo))
     vn = None if vnorm is None else (vnorm if vnorm.flags.c_contiguous else np.ascontiguousarray(vnorm))
     budgets = np.full(hkv, max(int(budget), 0), dtype=np.int32)
@@ -208,7 +222,8 @@ def attention_keep(votes, q, q_pos, k, v, pos, bias, *, n_sink: int, recent: int
     def ptr(a, ctype="float *"):
         return ffi.NULL if a is None else _ptr(a, ctype)
 
-    rc = lib.kvl_attention_keep(ptr(votes), ptr(q), _ptr(qp, "int *"), hq, w, ptr(k), ptr(v), _ptr(p, "int *"),
+    rc = lib.kvl_attention_keep(ptr(votes), ptr(q), _ptr(qp, "int *"), hq, w, ptr(k), ptr(v),
+                                ptr(v16, "unsigned short *"), _ptr(p, "int *"),
                                 ptr(bias), hkv, n, d, n_sink, -1 if recent is None else recent, kernel,
                                 POOL_KINDS[pooling], ptr(wo), wo.shape[1] if wo is not None else 0,
                                 wo.shape[0] if wo is not None else 0, alpha, np.float32(epsilon), ptr(vn),

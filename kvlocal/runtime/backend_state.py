@@ -23,9 +23,11 @@ class StateBackend(KVBackend):
     def layer_inputs(self, read: CacheRead, q, q_pos, *, n_sink: int, recent: int, window_size=None):
         kv, basis, bias = read.kv, self.basis, read.bias
         for i, il in enumerate(self.layers):  # i: index in the compressed cache, il: the model's layer
+            v = kv.v[i].transpose(1, 0, 2)
             yield LayerInputs(
                 k=basis.keys(kv.k[i].transpose(1, 0, 2)),  # [Hkv, n, d] float32, in the stored basis
-                v=basis.values(kv.v[i].transpose(1, 0, 2)),  # as the model computed them
+                # as the model computed them; an F16 cache's as they are (the scorers convert the rows they read)
+                v=v if v.dtype == np.float16 and basis.v_codec is None else basis.values(v),
                 pos=read.true[i],  # [Hkv, n], -1 for the empty rows of a head
                 q=basis.queries(q[i]),  # in the keys' basis
                 q_pos=q_pos,
@@ -42,15 +44,17 @@ class StateBackend(KVBackend):
         return read.kv.k[l][cells, heads], read.kv.v[l][cells, heads]
 
     def extend(self, read: CacheRead, m: int):
-        """The new cells join the host copy without a position of their own (-1)."""
+        """The new cells join the host copy without a position of their own (-1). The union's rows are
+        :attr:`scratch` buffers: valid until the next ``extend``."""
         kv, n = read.kv, read.n
 
-        def grown(rows):  # [n + m, Hkv, ...]: the cells, then m zero rows the caller fills
-            out = np.empty((n + m, *rows.shape[1:]), dtype=rows.dtype)
+        def grown(name, rows):  # [n + m, Hkv, ...]: the cells, then m zero rows the caller fills
+            out = self.scratch.take(name, (n + m, *rows.shape[1:]), rows.dtype)
             out[:n], out[n:] = rows, 0
             return out
 
-        k, v = [grown(a) for a in kv.k], [grown(a) for a in kv.v]
+        k = [grown(("k", i), a) for i, a in enumerate(kv.k)]
+        v = [grown(("v", i), a) for i, a in enumerate(kv.v)]
         pos = np.concatenate([read.pos, np.full(m, -1, np.int64)])
         union = dataclasses.replace(kv, k=k, v=v, pos=pos.astype(np.int32))
         return dataclasses.replace(read, pos=pos, kv=union), [a[n:] for a in k], [a[n:] for a in v]
