@@ -143,3 +143,46 @@ def test_a_saved_tier_loads_back_identical():
             np.testing.assert_array_equal(s.kmax[:s.n_pages], r.kmax[:r.n_pages])
     with pytest.raises(UsageError, match="does not fit"):
         tier(hkv=3).load_arrays(a)
+
+
+def test_device_table_is_membership_per_layer_and_head():
+    # with_candidates asks, for every head, which candidate positions the device holds: the table must say
+    # exactly what np.isin says per head (empty rows, positions past the device's, heads that differ)
+    from kvlocal.recall.select import device_table
+
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        n_layer, hkv, n = int(rng.integers(1, 4)), int(rng.integers(1, 4)), int(rng.integers(0, 40))
+        true = rng.integers(-1, 60, (n_layer, hkv, n))
+        held = device_table(true)
+        for l in range(n_layer):
+            for h in range(hkv):
+                pos = rng.integers(0, 90, int(rng.integers(0, 30)))
+                want = np.isin(pos, true[l, h][true[l, h] >= 0])
+                np.testing.assert_array_equal(held(l, h, pos), want)
+
+
+def test_page_candidates_are_the_numpy_steps():
+    # kvl_page_candidates (one call per head) against the steps it replaced: Quest's bounds (page_bounds), the
+    # pages with a row off the device ranked by bound (stable), taken until n_want rows, their rows (page_rows)
+    from kvlocal.compress.kernels import page_candidates
+
+    rng = np.random.default_rng(9)
+    checked = 0
+    for _ in range(40):
+        t = tier(1, 1)
+        s = t.heads[0][0]
+        n = int(rng.integers(1, 12 * PAGE))
+        add(t, rng, 0, 0, rng.permutation(4 * n)[:n])
+        s.on_device[:s.n] = rng.random(s.n) < rng.choice([0.0, 0.5, 0.95])
+        q = rng.standard_normal((int(rng.integers(1, 6)), D)).astype(np.float32)
+        n_want = int(rng.integers(1, n + 5))
+        bounds = s.page_bounds(q)
+        off = np.add.reduceat((~s.on_device[:s.n]).astype(np.int64), np.arange(0, s.n, PAGE))
+        pages = np.flatnonzero(off > 0)
+        order = pages[np.argsort(-bounds[pages], kind="stable")]
+        want = s.page_rows(order[:int(np.searchsorted(np.cumsum(off[order]), n_want)) + 1])
+        got = page_candidates(q, s.kmin, s.kmax, s.on_device[:s.n], PAGE, n_want)
+        np.testing.assert_array_equal(got, want)
+        checked += len(want) > 0
+    assert checked > 20

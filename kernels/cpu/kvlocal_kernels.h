@@ -67,6 +67,13 @@ int kvl_gather_rows(const unsigned char * const * chunks, long n_chunks, long ch
  * any head keeps. Returns 0, -1 on bad sizes or out of memory, -2 when a norm is needed and v, v16 or wo is NULL. */
 int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, int n_head, int w, const float * k, const float * v, const unsigned short * v16, const int * pos, const float * bias, int n_kv, int n, int d, int n_sink, int recent, int kernel, int pool_kind, const float * wo, int ld, int D, double alpha, float eps, float * vnorm, const int * budget, int max_width, int * keep, int * width);
 
+/* The recall tier's candidates of one KV head (kernels/cpu/pages.c): q [m, d] the observation queries (in the
+ * keys' basis, scaled), kmin/kmax [ceil(n / page), d] each page's element-wise key bounds, on_device [n] (1: the
+ * row is on the device). Pages holding a row off the device, ranked by Quest's bound max_j sum_i max(q_ji kmin_i,
+ * q_ji kmax_i) (ties to the lower page), are taken until they hold n_want rows off the device; their off-device
+ * rows go to out [n] in page order. Returns how many, or -1 on bad sizes or out of memory. */
+int kvl_page_candidates(const float * q, int m, int d, const float * kmin, const float * kmax, int n, int page, const unsigned char * on_device, long n_want, int * out);
+
 /* Instruction set of the scoring kernels above: 0 generic (SSE2 / NEON / scalar), 1 AVX2+FMA,
  * 2 AVX-512; the widest the CPU supports is used. cap >= 0 limits it (tests and benchmarks compare the
  * levels; process-wide, not thread-safe); cap < 0 only asks. Returns the level now in use. */

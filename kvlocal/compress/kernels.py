@@ -134,6 +134,28 @@ def gather_rows(chunks: np.ndarray, chunk_rows: int, ids: np.ndarray, dst: np.nd
         raise IndexError("gather_rows: a row id outside the store")
 
 
+def page_candidates(q: np.ndarray, kmin: np.ndarray, kmax: np.ndarray, on_device: np.ndarray, page: int,
+                    n_want: int) -> np.ndarray:
+    """The recall tier's candidate rows of one KV head (:func:`kvlocal.recall.select.choose_candidates`): the
+    pages holding a row off the device, ranked by Quest's bound over the queries ``q`` ``[m, d]`` (``kmin``/``kmax``
+    ``[n_pages, d]``, ties to the lower page), taken until they hold ``n_want`` rows off the device; their rows off
+    the device (``on_device`` ``[n]`` bool), in page order. What ``HeadStore.page_bounds`` and ``page_rows`` do
+    in numpy, in one call."""
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    n = len(on_device)
+    n_pages = -(-n // page)
+    lo, hi = (np.ascontiguousarray(a[:n_pages], dtype=np.float32) for a in (kmin, kmax))
+    if lo.shape != (n_pages, q.shape[1]) or hi.shape != lo.shape:
+        raise ValueError(f"page bounds {kmin.shape} do not fit {n} rows of {q.shape[1]} in pages of {page}")
+    flags = np.ascontiguousarray(on_device, dtype=np.bool_).view(np.uint8)
+    out = np.empty(max(n, 1), dtype=np.int32)
+    count = lib.kvl_page_candidates(_ptr(q, "float *"), q.shape[0], q.shape[1], _ptr(lo, "float *"), _ptr(hi, "float *"),
+                                    n, page, _ptr(flags, "unsigned char *"), int(n_want), _ptr(out, "int *"))
+    if count < 0:
+        raise MemoryError("kvl_page_candidates failed (bad sizes, or out of memory)")
+    return out[:count].astype(np.int64)
+
+
 DEQUANT_BLOCK_BYTES = {8: 34, 2: 18, 3: 20, 6: 22, 7: 24}  # ggml type -> bytes of a block of 32 values
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvlocal.compress.kernels import page_candidates
 from kvlocal.recall.tier import PAGE, HostTier
 
 
@@ -45,17 +46,10 @@ def choose_candidates(tier: HostTier, q: list[np.ndarray], n_rows: int) -> Candi
     for layer, ql in zip(tier.heads, q):
         group = ql.shape[0] // len(layer)
         per_head = []
-        for h, s in enumerate(layer):
-            if s.n == 0 or s.on_device[:s.n].all():
-                per_head.append(np.zeros(0, np.int64))
-                continue
-            bounds = s.page_bounds(ql[h * group:(h + 1) * group].reshape(-1, ql.shape[-1]))
-            off = np.add.reduceat((~s.on_device[:s.n]).astype(np.int64), np.arange(0, s.n, PAGE))  # [n_pages]
-            pages = np.flatnonzero(off > 0)  # a page whose rows are all on the device has nothing to offer
-            order = pages[np.argsort(-bounds[pages], kind="stable")]
-            enough = int(np.searchsorted(np.cumsum(off[order]), n_rows)) + 1
-            rows = s.page_rows(order[:enough])
-            per_head.append(rows)
+        for h, s in enumerate(layer):  # (HeadStore.page_bounds and page_rows say the same in numpy)
+            q_head = ql[h * group:(h + 1) * group].reshape(-1, ql.shape[-1])
+            per_head.append(page_candidates(q_head, s.kmin, s.kmax, s.on_device[:s.n], PAGE, n_rows) if s.n
+                            else np.zeros(0, np.int64))
         ids.append(per_head)
     return Candidates(ids, max((len(i) for layer in ids for i in layer), default=0))
 
@@ -67,9 +61,10 @@ def with_candidates(read, tier: HostTier, cands: Candidates, backend, span: str 
     the tier. ``span="page"``: a tier page's rows rank together (its best row's score), so a fact comes
     back whole or not at all; ``"row"``: each row on its own score."""
     n_layer, hkv = read.true.shape[:2]
-    for l in range(n_layer):  # a row the device holds is never a candidate (its flag is set right here)
+    held = device_table(read.true)  # a row the device holds is never a candidate (its flag is set right here)
+    for l in range(n_layer):
         for h, ids in enumerate(cands.ids[l]):
-            here = np.isin(tier.heads[l][h].pos[ids], read.true[l, h])
+            here = held(l, h, tier.heads[l][h].pos[ids])
             if here.any():
                 tier.heads[l][h].on_device[ids[here]] = True
                 cands.ids[l][h] = ids[~here]
@@ -95,6 +90,22 @@ def with_candidates(read, tier: HostTier, cands: Candidates, backend, span: str 
         groups = join(device_ids, np.where(tier_ids >= 0, tier_ids // PAGE, -1))
     return dataclasses.replace(union, true=join(read.true, true), vnorm=join(read.vnorm, vnorm),
                                count=join(read.count, count), groups=groups, tier_ids=join(device_ids, tier_ids))
+
+
+def device_table(true: np.ndarray):
+    """``held(l, h, pos)``: which of the positions ``pos`` layer ``l``'s KV head ``h`` holds, for the rows' true
+    positions ``true`` ``[n_layer, Hkv, n]`` (-1: empty) — a table of (layer, head, position) flags built at
+    once (a lookup is one index; ``np.isin`` per head sorted both sides, every head, every swap)."""
+    n_layer, hkv = true.shape[:2]
+    top = int(true.max(initial=-1)) + 1
+    table = np.zeros(n_layer * hkv * top + 1, bool)  # the last entry: any position past the device's, never held
+    live = true >= 0
+    table[(np.arange(n_layer * hkv).reshape(n_layer, hkv, 1) * top + true)[live]] = True
+
+    def held(l: int, h: int, pos: np.ndarray) -> np.ndarray:
+        return table[np.where(pos < top, (l * hkv + h) * top + pos, len(table) - 1)]
+
+    return held
 
 
 def _from_tier(read) -> np.ndarray:
