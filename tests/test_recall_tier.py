@@ -164,7 +164,7 @@ def test_device_table_is_membership_per_layer_and_head():
 
 def test_page_candidates_are_the_numpy_steps():
     # kvl_page_candidates (one call per head) against the steps it replaced: Quest's bounds (page_bounds), the
-    # pages with a row off the device ranked by bound (stable), taken until n_want rows, their rows (page_rows)
+    # pages with a row off the device ranked by bound (stable), taken until n_want rows, their rows off the device
     from kvlocal.compress.kernels import page_candidates
 
     rng = np.random.default_rng(9)
@@ -181,7 +181,10 @@ def test_page_candidates_are_the_numpy_steps():
         off = np.add.reduceat((~s.on_device[:s.n]).astype(np.int64), np.arange(0, s.n, PAGE))
         pages = np.flatnonzero(off > 0)
         order = pages[np.argsort(-bounds[pages], kind="stable")]
-        want = s.page_rows(order[:int(np.searchsorted(np.cumsum(off[order]), n_want)) + 1])
+        taken = np.sort(order[:int(np.searchsorted(np.cumsum(off[order]), n_want)) + 1])
+        ids = (taken[:, None] * PAGE + np.arange(PAGE)).reshape(-1)
+        ids = ids[ids < s.n]
+        want = ids[~s.on_device[ids]]
         got = page_candidates(q, s.kmin, s.kmax, s.on_device[:s.n], PAGE, n_want)
         np.testing.assert_array_equal(got, want)
         checked += len(want) > 0

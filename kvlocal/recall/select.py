@@ -46,7 +46,7 @@ def choose_candidates(tier: HostTier, q: list[np.ndarray], n_rows: int) -> Candi
     for layer, ql in zip(tier.heads, q):
         group = ql.shape[0] // len(layer)
         per_head = []
-        for h, s in enumerate(layer):  # (HeadStore.page_bounds and page_rows say the same in numpy)
+        for h, s in enumerate(layer):  # (HeadStore.page_bounds is the bound in numpy)
             q_head = ql[h * group:(h + 1) * group].reshape(-1, ql.shape[-1])
             per_head.append(page_candidates(q_head, s.kmin, s.kmax, s.on_device[:s.n], PAGE, n_rows) if s.n
                             else np.zeros(0, np.int64))

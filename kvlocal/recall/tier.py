@@ -162,13 +162,6 @@ class HeadStore:
         hi = np.maximum(q, 0) @ self.kmax[:n].T + np.minimum(q, 0) @ self.kmin[:n].T  # [m, n_pages]
         return hi.max(axis=0)
 
-    def page_rows(self, pages: np.ndarray) -> np.ndarray:
-        """Row ids of the pages ``pages`` that are not on the device now, in page order."""
-        pages = np.sort(np.asarray(pages, dtype=np.int64))
-        ids = (pages[:, None] * PAGE + np.arange(PAGE)).reshape(-1)
-        ids = ids[ids < self.n]
-        return ids[~self.on_device[ids]]
-
 
 class HostTier:
     """The evicted rows of every compressed layer and KV head; see the module docstring.

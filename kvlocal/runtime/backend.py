@@ -106,10 +106,6 @@ class Scratch:
             buf = self._bufs[name] = np.empty(max(need, 5 * (0 if buf is None else buf.nbytes) // 4), np.uint8)
         return buf[:need].view(dtype).reshape(shape)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self._bufs.values())
-
 
 @dataclass
 class CacheRead:
