@@ -117,6 +117,7 @@ class HeadStore:
     kmax: np.ndarray = None
     chunks: list = field(default_factory=list)  # [(k [CHUNK, ...], v [CHUNK, ...])]
     _addr: tuple = (np.zeros(0, np.uintp), np.zeros(0, np.uintp))  # the chunks' K and V addresses
+    _row_of: np.ndarray | None = None  # row id by position (-1: none), built when first asked, kept as rows come
 
     def __post_init__(self) -> None:
         if self.kmin is None:
@@ -128,14 +129,31 @@ class HeadStore:
         return -(-self.n // PAGE)
 
     def index_of(self, pos: np.ndarray) -> np.ndarray:
-        """Row ids of the positions ``pos`` in this store, -1 where absent."""
+        """Row ids of the positions ``pos`` in this store, -1 where absent (a head stores a position once)."""
         pos = np.asarray(pos, dtype=np.int64)
-        if self.n == 0 or len(pos) == 0:
-            return np.full(len(pos), -1, np.int64)
-        order = np.argsort(self.pos[:self.n], kind="stable")
-        sp = self.pos[:self.n][order]
-        j = np.minimum(np.searchsorted(sp, pos), self.n - 1)
-        return np.where(sp[j] == pos, order[j], -1)
+        if self._row_of is None:
+            self._row_of = np.full(int(self.pos[:self.n].max(initial=-1)) + 1, -1, np.int32)
+            self._row_of[self.pos[:self.n]] = np.arange(self.n)
+        table = self._row_of
+        inside = pos < len(table)
+        if inside.all():
+            return table[pos].astype(np.int64)
+        return np.where(inside, table[np.where(inside, pos, 0)] if len(table) else -1, -1).astype(np.int64)
+
+    def _indexed(self, pos: np.ndarray, ids: np.ndarray) -> None:
+        """Rows ``ids`` were stored at positions ``pos``: the position index follows (if it was built)."""
+        if self._row_of is None or len(pos) == 0:
+            return
+        top = int(pos.max()) + 1
+        if top > len(self._row_of):
+            grown = np.full(max(top, 5 * len(self._row_of) // 4), -1, np.int32)
+            grown[:len(self._row_of)] = self._row_of
+            self._row_of = grown
+        self._row_of[pos] = ids
+
+    def forget_index(self) -> None:
+        """Rows were dropped or renumbered: the position index is built again when next asked."""
+        self._row_of = None
 
     def rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """K and V of the rows ``ids``: ``[m, ...]`` each, copies."""
@@ -193,7 +211,7 @@ class HostTier:
     def nbytes(self) -> int:
         """Host bytes of the tier: its rows (RAM and file) and its bookkeeping (positions, norms, page bounds)."""
         meta = sum(s.pos.nbytes + s.vnorm.nbytes + s.on_device.nbytes + s.kmin.nbytes + s.kmax.nbytes
-                   for layer in self.heads for s in layer)
+                   + (0 if s._row_of is None else s._row_of.nbytes) for layer in self.heads for s in layer)
         return self.pool.nbytes + meta
 
     def close(self) -> None:
@@ -248,24 +266,22 @@ class HostTier:
         m = len(pos)
         if m == 0:
             return
-        ids = np.arange(s.n, s.n + m)
-        self._grow_meta(s, s.n + m)
-        c, r = ids // CHUNK, ids % CHUNK
-        for ci in np.unique(c):
-            sel = c == ci
-            ck, cv = s.chunks[ci]
-            ck[r[sel]], cv[r[sel]] = k[sel], v[sel]
-        s.pos[ids], s.vnorm[ids], s.on_device[ids] = pos, vnorm, False
-        first_page, last_page = s.n // PAGE, (s.n + m - 1) // PAGE
+        n0 = s.n
+        self._grow_meta(s, n0 + m)
+        for c in range(n0 // CHUNK, (n0 + m - 1) // CHUNK + 1):  # the chunks the rows n0 .. n0+m-1 fall in
+            lo, hi = max(c * CHUNK, n0), min((c + 1) * CHUNK, n0 + m)
+            ck, cv = s.chunks[c]
+            ck[lo - c * CHUNK:hi - c * CHUNK], cv[lo - c * CHUNK:hi - c * CHUNK] = k[lo - n0:hi - n0], v[lo - n0:hi - n0]
+        s.pos[n0:n0 + m], s.vnorm[n0:n0 + m], s.on_device[n0:n0 + m] = pos, vnorm, False
+        # page bounds: the rows' keys reduced per page they fall in; a page begun before takes its old bound too
         keys = np.asarray(keys, dtype=np.float32)
-        for p in range(first_page, last_page + 1):
-            lo, hi = max(p * PAGE, s.n), min((p + 1) * PAGE, s.n + m)
-            block = keys[lo - s.n:hi - s.n]
-            if lo == p * PAGE:  # a new page
-                s.kmin[p], s.kmax[p] = block.min(axis=0), block.max(axis=0)
-            else:
-                s.kmin[p] = np.minimum(s.kmin[p], block.min(axis=0))
-                s.kmax[p] = np.maximum(s.kmax[p], block.max(axis=0))
+        starts = np.r_[0, np.arange(-n0 % PAGE or PAGE, m, PAGE)]
+        pages = (n0 + starts) // PAGE
+        lo, hi = np.minimum.reduceat(keys, starts, axis=0), np.maximum.reduceat(keys, starts, axis=0)
+        if n0 % PAGE:
+            lo[0], hi[0] = np.minimum(lo[0], s.kmin[pages[0]]), np.maximum(hi[0], s.kmax[pages[0]])
+        s.kmin[pages], s.kmax[pages] = lo, hi
+        s._indexed(pos, np.arange(n0, n0 + m))
         s.n += m
 
     @staticmethod
@@ -328,6 +344,7 @@ class HostTier:
             s.on_device[:m] = a["tier_on_device"][row:row + m]
             s.kmin[:pages], s.kmax[:pages] = a["tier_kmin"][page:page + pages], a["tier_kmax"][page:page + pages]
             s.n = m
+            s.forget_index()
             row, page = row + m, page + pages
 
     def mark_of(self) -> np.ndarray:
@@ -339,7 +356,9 @@ class HostTier:
         tokens of the undone turn are gone; older rows moved since are back on the device)."""
         for l, layer in enumerate(self.heads):
             for h, s in enumerate(layer):
-                s.n = min(s.n, int(mark[l, h]))
+                if int(mark[l, h]) < s.n:
+                    s.n = int(mark[l, h])
+                    s.forget_index()
 
     def renumber(self, layer: int, head: int, ids: np.ndarray, pos: np.ndarray, turn_keys) -> None:
         """Positions moved back (an endless chat, :func:`kvlocal.engine.positions.reposition`): a head keeps
@@ -353,6 +372,7 @@ class HostTier:
         k, keys = turn_keys(k, pos - s.pos[ids])
         vnorm, flags = s.vnorm[ids].copy(), s.on_device[ids].copy()
         s.n = 0
+        s.forget_index()
         self._store(s, pos, k, v, keys, vnorm)
         s.on_device[:len(ids)] = flags
 
