@@ -7,6 +7,7 @@
 
 #include "kvlocal_kernels.h"
 
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -20,8 +21,8 @@
 static void heads_generic(const uint16_t * src, int n, int n_head, int d, float * dst) {
     for (int h = 0; h < n_head; h++) {
         for (int i = 0; i < n; i++) {
-            const uint16_t * s = src + ((long) i * n_head + h) * d;
-            float          * o = dst + ((long) h * n + i) * d;
+            const uint16_t * s = src + ((ptrdiff_t) i * n_head + h) * d;
+            float          * o = dst + ((ptrdiff_t) h * n + i) * d;
             for (int j = 0; j < d; j++) {
                 o[j] = kvl_half_to_float(s[j]);
             }
@@ -33,8 +34,8 @@ static void heads_generic(const uint16_t * src, int n, int n_head, int d, float 
 __attribute__((target("avx2,f16c"))) static void heads_f16c(const uint16_t * src, int n, int n_head, int d, float * dst) {
     for (int h = 0; h < n_head; h++) {
         for (int i = 0; i < n; i++) {
-            const uint16_t * s = src + ((long) i * n_head + h) * d;
-            float          * o = dst + ((long) h * n + i) * d;
+            const uint16_t * s = src + ((ptrdiff_t) i * n_head + h) * d;
+            float          * o = dst + ((ptrdiff_t) h * n + i) * d;
             int              j = 0;
             for (; j + 8 <= d; j += 8) {
                 _mm256_storeu_ps(o + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (s + j))));

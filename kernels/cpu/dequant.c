@@ -68,7 +68,7 @@ static void block_q5(const uint8_t * b, float * y, int with_min) {
     }
 }
 
-int kvl_dequant_rows(int type, const unsigned char * src, long n_blocks, float * dst) {
+int kvl_dequant_rows(int type, const unsigned char * src, long long n_blocks, float * dst) {
     int size;
     switch (type) {
         case 8: size = 34; break;  // GGML_TYPE_Q8_0
@@ -78,7 +78,7 @@ int kvl_dequant_rows(int type, const unsigned char * src, long n_blocks, float *
         case 7: size = 24; break;  // Q5_1
         default: return -1;
     }
-    for (long i = 0; i < n_blocks; i++) {
+    for (long long i = 0; i < n_blocks; i++) {
         const uint8_t * b = src + i * size;
         float         * y = dst + i * 32;
         switch (type) {

@@ -9,13 +9,13 @@
 
 #include <string.h>
 
-int kvl_gather_rows(const unsigned char * const * chunks, long n_chunks, long chunk_rows, const long * ids, long n,
-                    long row_bytes, unsigned char * dst, long dst_stride) {
+int kvl_gather_rows(const unsigned char * const * chunks, long long n_chunks, long long chunk_rows, const long long * ids,
+                    long long n, long long row_bytes, unsigned char * dst, long long dst_stride) {
     if (chunk_rows <= 0 || row_bytes <= 0 || n < 0) {
         return -1;
     }
-    for (long i = 0; i < n; i++) {
-        const long c = ids[i] / chunk_rows;
+    for (long long i = 0; i < n; i++) {
+        const long long c = ids[i] / chunk_rows;
         if (ids[i] < 0 || c >= n_chunks) {
             return -1;
         }

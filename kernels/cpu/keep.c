@@ -28,6 +28,7 @@
 
 #include "kvlocal_kernels.h"
 
+#include <stddef.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -74,7 +75,7 @@ static int vnorm_f16_rows(const unsigned short * v16, int n_kv, int g, int d, co
         return -1;
     }
     for (int i = 0; i < m; i++) {
-        kvl_f16_heads_f32(v16 + ((long) rows[i] * n_kv + g) * d, 1, 1, d, vf + (long) i * d);
+        kvl_f16_heads_f32(v16 + ((ptrdiff_t) rows[i] * n_kv + g) * d, 1, 1, d, vf + (ptrdiff_t) i * d);
     }
     const int rc = kvl_vnorm_l1_f32(vf, m, d, wo, ld, group, D, NULL, m, out);
     free(vf);
@@ -121,7 +122,7 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
     unsigned char * protect = flag, * first = flag + nn, * mark = flag + 2 * nn;
     int widest = 0;
     for (int g = 0; g < n_kv && rc == 0; g++) {
-        const int * p = pos + (long) g * n;
+        const int * p = pos + (ptrdiff_t) g * n;
         position_order(p, n, order, keys);
         int lo = INT32_MAX; /* the observation window: live cells at lo or later */
         if (recent >= 0) {
@@ -150,16 +151,16 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
         }
         if (m > 0) {
             for (int h = 0; h < group; h++) {
-                const float * vh = votes + (long) (g * group + h) * n;
+                const float * vh = votes + (ptrdiff_t) (g * group + h) * n;
                 for (int j = 0; j < m; j++) {
-                    x[(long) h * m + j] = vh[rows[j]];
+                    x[(ptrdiff_t) h * m + j] = vh[rows[j]];
                 }
             }
             kvl_pool1d_f32(x, y, group, m, kernel, pool_kind);
             for (int j = 0; j < m; j++) {
                 float s = y[j];
                 for (int h = 1; h < group; h++) {
-                    s += y[(long) h * m + j];
+                    s += y[(ptrdiff_t) h * m + j];
                 }
                 score[rows[j]] = s / (float) group;
             }
@@ -173,7 +174,7 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
         const float * ranking = score;
         /* CriticalKV */
         if (vnorm) {
-            float * vn = vnorm + (long) g * n;
+            float * vn = vnorm + (ptrdiff_t) g * n;
             kvl_top_marked(score, desc, n, (int) (alpha * (double) b), rank, first);
             int todo = 0;
             for (int c = 0; c < n; c++) {
@@ -192,8 +193,8 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
                     rc = -2;
                     break;
                 }
-                const float * wg = wo + (long) g * group * d;
-                if (v ? kvl_vnorm_l1_f32(v + (long) g * n * d, n, d, wg, ld, group, D, rows, todo, scratch)
+                const float * wg = wo + (ptrdiff_t) g * group * d;
+                if (v ? kvl_vnorm_l1_f32(v + (ptrdiff_t) g * n * d, n, d, wg, ld, group, D, rows, todo, scratch)
                       : vnorm_f16_rows(v16, n_kv, g, d, wg, ld, group, D, rows, todo, scratch)) {
                     rc = -1;
                     break;
@@ -212,7 +213,7 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
             break;
         }
         kvl_top_marked(ranking, desc, n, b, rank, mark);
-        int * out = keep + (long) g * max_width;
+        int * out = keep + (ptrdiff_t) g * max_width;
         for (int i = 0; i < max_width - b; i++) {
             out[i] = -1;
         }

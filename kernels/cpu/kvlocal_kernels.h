@@ -49,12 +49,12 @@ void kvl_f16_heads_f32(const unsigned short * src, int n, int n_head, int d, flo
 /* Quantized rows to float32: n_blocks blocks of 32 values of ggml type `type` (8 q8_0, 2 q4_0, 3 q4_1,
  * 6 q5_0, 7 q5_1) from src into dst [n_blocks * 32], as ggml's to_float computes them (same bits).
  * Returns 0, or -1 for another type. */
-int kvl_dequant_rows(int type, const unsigned char * src, long n_blocks, float * dst);
+int kvl_dequant_rows(int type, const unsigned char * src, long long n_blocks, float * dst);
 
 /* Rows gathered from a chunked store: row ids[i] is row ids[i] % chunk_rows of chunk ids[i] / chunk_rows,
  * chunks[c] the address of chunk c's first row, rows row_bytes apart. Copies n rows of row_bytes bytes to
  * dst + i * dst_stride. Returns 0, or -1 on bad sizes or an id outside the chunks (rows before it copied). */
-int kvl_gather_rows(const unsigned char * const * chunks, long n_chunks, long chunk_rows, const long * ids, long n, long row_bytes, unsigned char * dst, long dst_stride);
+int kvl_gather_rows(const unsigned char * const * chunks, long long n_chunks, long long chunk_rows, const long long * ids, long long n, long long row_bytes, unsigned char * dst, long long dst_stride);
 
 /* One layer's kept cells under SnapKV (vnorm NULL) or CriticalKV over SnapKV (kernels/cpu/keep.c has the steps):
  * the scorers' keep() in one call. votes [n_head, n] the window votes, or NULL to compute them from q [n_head,
@@ -72,7 +72,7 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
  * row is on the device). Pages holding a row off the device, ranked by Quest's bound max_j sum_i max(q_ji kmin_i,
  * q_ji kmax_i) (ties to the lower page), are taken until they hold n_want rows off the device; their off-device
  * rows go to out [n] in page order. Returns how many, or -1 on bad sizes or out of memory. */
-int kvl_page_candidates(const float * q, int m, int d, const float * kmin, const float * kmax, int n, int page, const unsigned char * on_device, long n_want, int * out);
+int kvl_page_candidates(const float * q, int m, int d, const float * kmin, const float * kmax, int n, int page, const unsigned char * on_device, long long n_want, int * out);
 
 /* Instruction set of the scoring kernels above: 0 generic (SSE2 / NEON / scalar), 1 AVX2+FMA,
  * 2 AVX-512; the widest the CPU supports is used. cap >= 0 limits it (tests and benchmarks compare the

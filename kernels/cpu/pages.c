@@ -26,7 +26,7 @@ static int by_bound(const void * a, const void * b) {
 }
 
 int kvl_page_candidates(const float * q, int m, int d, const float * kmin, const float * kmax, int n, int page,
-                        const unsigned char * on_device, long n_want, int * out) {
+                        const unsigned char * on_device, long long n_want, int * out) {
     if (m < 0 || d <= 0 || n < 0 || page <= 0) {
         return -1;
     }
@@ -47,10 +47,10 @@ int kvl_page_candidates(const float * q, int m, int d, const float * kmin, const
         if (off[p] == 0) {
             continue; /* every row on the device: nothing to offer */
         }
-        const float * lo = kmin + (long) p * d, * hi = kmax + (long) p * d;
+        const float * lo = kmin + (long long) p * d, * hi = kmax + (long long) p * d;
         float best = -INFINITY;
         for (int j = 0; j < m; j++) {
-            const float * qj = q + (long) j * d;
+            const float * qj = q + (long long) j * d;
             float s = 0.0f;
             for (int i = 0; i < d; i++) {
                 s += qj[i] >= 0.0f ? qj[i] * hi[i] : qj[i] * lo[i];
@@ -61,7 +61,7 @@ int kvl_page_candidates(const float * q, int m, int d, const float * kmin, const
         rank[n_ranked++].page = p;
     }
     qsort(rank, (size_t) n_ranked, sizeof(ranked_t), by_bound);
-    long have = 0;
+    long long have = 0;
     for (int i = 0; i < n_ranked; i++) {
         off[rank[i].page] = -off[rank[i].page]; /* taken: marked by its sign */
         have -= off[rank[i].page];

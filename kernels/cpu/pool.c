@@ -1,5 +1,7 @@
 #include "kvlocal_kernels.h"
 
+#include <stddef.h>
+
 /* max over the window of j, clipped to the row: the edges element by element, the interior as `kernel`
  * shifted passes over the row (each a vectorizable loop of maxima) */
 static float max_at(const float * x, int n, int half, int j) {
@@ -33,8 +35,8 @@ static void max_row(const float * x, float * y, int n, int half) {
 void kvl_pool1d_f32(const float * src, float * dst, int n_rows, int n, int kernel, int kind) {
     const int half = kernel / 2;
     for (int r = 0; r < n_rows; r++) {
-        const float * x = src + (long) r * n;
-        float       * y = dst + (long) r * n;
+        const float * x = src + (ptrdiff_t) r * n;
+        float       * y = dst + (ptrdiff_t) r * n;
         if (kind == 0) {
             max_row(x, y, n, half);
             continue;

@@ -7,6 +7,7 @@
 
 #include "kvlocal_kernels.h"
 
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -85,8 +86,8 @@ int kvl_topk_f32(const float * src, int n_rows, int n, int k, int * idx) {
         return -1;
     }
     for (int r = 0; r < n_rows; r++) {
-        int * out = idx + (long) r * k;
-        kvl_top_marked(src + (long) r * n, NULL, n, k, keys, mark);
+        int * out = idx + (ptrdiff_t) r * k;
+        kvl_top_marked(src + (ptrdiff_t) r * n, NULL, n, k, keys, mark);
         for (int i = 0, j = 0; i < n; i++) {
             if (mark[i]) {
                 out[j++] = i;

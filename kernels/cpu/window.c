@@ -11,6 +11,7 @@
 
 #include "kvlocal_kernels.h"
 
+#include <stddef.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -129,7 +129,7 @@ def gather_rows(chunks: np.ndarray, chunk_rows: int, ids: np.ndarray, dst: np.nd
     if not dst[0].flags.c_contiguous:
         raise ValueError("gather_rows: each destination row must be contiguous")
     if lib.kvl_gather_rows(ffi.cast("unsigned char **", chunks.ctypes.data), len(chunks), chunk_rows,
-                           ffi.cast("long *", ids.ctypes.data), len(ids), row_bytes,
+                           ffi.cast("long long *", ids.ctypes.data), len(ids), row_bytes,
                            ffi.cast("unsigned char *", dst.ctypes.data), dst.strides[0]) != 0:
         raise IndexError("gather_rows: a row id outside the store")
 
