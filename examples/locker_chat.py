@@ -17,7 +17,7 @@ import random
 import time
 
 import kvlocal
-from kvlocal.engine import RECALL_STEP_CONFIDENCE, RECALL_STEPS
+from kvlocal.engine import RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS
 from kvlocal.eval.tasks import Prose, insert_at
 from kvlocal.models import resolve
 from kvlocal.runtime import Model
@@ -38,6 +38,7 @@ def chat(model: Model, seed: int, args):
     with kvlocal.Chat(model, ctx_size=len(model.tokenize(doc)) + 1200, budget=args.budget, n_threads=args.threads,
                       cache_type_k=args.cache, cache_type_v=args.cache, recall_steps=args.recall_steps) as c:
         c.engine.recall_step_confidence = args.step_confidence
+        c.engine.recall_step_every = args.step_every
         c.read(doc)
         for name, code in zip(names, codes):
             answer = "".join(c.send(f"What number does the locker of {name} hold? Answer with the number only.",
@@ -54,6 +55,7 @@ def main() -> None:
     ap.add_argument("--cache", default="f16", help="K and V cache type (llama.cpp's -ctk/-ctv names)")
     ap.add_argument("--step-confidence", type=float, default=RECALL_STEP_CONFIDENCE)
     ap.add_argument("--recall-steps", type=int, default=RECALL_STEPS)
+    ap.add_argument("--step-every", type=int, default=RECALL_STEP_EVERY)
     ap.add_argument("-t", "--threads", type=int, default=2)
     args = ap.parse_args()
     model = Model(resolve(args.model))

@@ -65,10 +65,12 @@ def test_recall_cost_counts_the_question_and_the_answer_steps(smollm2):
         assert row["question_seconds"] > 0 and row["prefill_seconds"] > 0
         assert row["rows_in"] > 0 and row["candidates"] > 0 and row["host_tier_bytes"] > 0
     assert (swapping["step_confidence"], confident["step_confidence"]) == (1, 0)
+    assert swapping["step_every"] == confident["step_every"] == 1  # the default: any step may swap
     assert swapping["confident_steps"] == 0 < swapping["step_seconds"]
     assert confident["confident_steps"] == confident["steps"] and confident["step_seconds"] == 0
     assert confident["rows_in"] < swapping["rows_in"]  # only the question brought rows back
     assert_usage_error(run_cli("bench", str(smollm2), "--recall-cost", "--step-confidence", "1.5"), "--step-confidence")
+    assert_usage_error(run_cli("bench", str(smollm2), "--recall-cost", "--step-every", "0"), "--step-every")
 
 
 def test_backends_side_by_side_on_a_quantized_cache(smollm2):

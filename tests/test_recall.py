@@ -146,10 +146,10 @@ def test_a_confident_step_keeps_its_decode_and_swaps_nothing(tiny_llama):
 def test_a_confident_steps_query_observes_the_next_swap(tiny_llama, monkeypatch):
     """A step that keeps its decode holds its query: the next step that swaps is observed by the held queries
     and its own (a swap serves the tokens after it: docs/recall.md § Choices), and then holds nothing."""
-    import kvlocal.engine.engine as engine_module
+    import kvlocal.engine.config as config_module
 
     top = iter([0.95, 0.95, 0.5, 0.95, 0.5])  # the steps' top probabilities: kept, kept, swap, kept, swap
-    monkeypatch.setattr(engine_module, "top_probability", lambda logits: next(top))
+    monkeypatch.setattr(config_module, "top_probability", lambda logits: next(top))
     tokens = tiny_llama.tokenize(sample_text())
     eng = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True, recall_steps=5,
                  recall_step_confidence=0.9)
@@ -162,6 +162,28 @@ def test_a_confident_steps_query_observes_the_next_swap(tiny_llama, monkeypatch)
     list(eng.generate(6, stop_at_eog=False))
     assert observed == [([p0, p0 + 1, p0 + 2], {3}), ([p0 + 3, p0 + 4], {2})]
     assert (eng.stats.recall_steps, eng.stats.recall_steps_confident) == (5, 3) and eng.n_past == p0 + 6
+
+
+def test_steps_swap_at_most_every_n_and_the_ones_between_hold(tiny_llama, monkeypatch):
+    """``recall_step_every=2``: a step right after a swap keeps its decode whatever its confidence (it is not
+    even asked) and holds its query; the next one swaps unless confident — then it holds too."""
+    import kvlocal.engine.config as config_module
+
+    top = iter([0.95, 0.5, 0.5])  # asked at steps 1, 2 and 4 only: kept (confident), swap, swap
+    monkeypatch.setattr(config_module, "top_probability", lambda logits: next(top))
+    tokens = tiny_llama.tokenize(sample_text())
+    eng = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True, recall_steps=6,
+                 recall_step_confidence=0.9, recall_step_every=2)
+    eng.prefill(tokens[:500], probe=tokens[500:516])
+    eng.append(tokens[600:620], recall=True)
+    observed, reselect = [], eng._reselect
+    monkeypatch.setattr(eng, "_reselect", lambda q, q_pos, c: observed.append(q_pos.tolist()) or reselect(q, q_pos, c))
+    p0 = eng.n_past
+    list(eng.generate(7, stop_at_eog=False))
+    assert observed == [[p0, p0 + 1, p0 + 2], [p0 + 3, p0 + 4]]  # step 5 kept: one past the swap at 4
+    assert (eng.stats.recall_steps, eng.stats.recall_steps_confident) == (6, 4) and eng.n_past == p0 + 7
+    with pytest.raises(UsageError, match="recall_step_every"):
+        Engine(tiny_llama, 64, "criticalkv", max_tokens=500, recall=True, recall_step_every=0)
 
 
 def test_a_restored_snapshot_forgets_the_undone_rows(tiny_llama):

@@ -27,7 +27,7 @@ import sys
 import time
 from importlib import resources
 
-from kvlocal.engine import RECALL_STEP_CONFIDENCE, RECALL_STEPS, Budget, Engine
+from kvlocal.engine import RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS, Budget, Engine
 from kvlocal.errors import UsageError
 from kvlocal.runtime import CACHE_TYPES, Model, cache_type, resolve_backend
 
@@ -82,6 +82,8 @@ def run(args) -> int:
                          + ": leave --cache out")
     if not all(0 <= p <= 1 for p in args.step_confidence):
         raise UsageError("--step-confidence: give probabilities between 0 and 1 (1: every answer step swaps)")
+    if min(args.step_every) < 1:
+        raise UsageError("--step-every: give whole numbers of at least 1 (1: any answer step may swap)")
     if args.overhead and (min(args.chunks) < 1 or min(args.observe_every) < 1):
         raise UsageError("--chunks and --observe-every: give whole numbers of at least 1")
     model = Model(args.model_path, n_gpu_layers=args.n_gpu_layers)
@@ -260,12 +262,14 @@ def run_recall_cost(args, model: Model) -> int:
     question = model.tokenize(QUESTION, add_special=False)
     backends = args.backends or default_backends()
     texts = {n: long_text(model, n) for n in args.contexts}  # one document per length, read by every run of it
-    for n, backend, confidence in itertools.product(args.contexts, backends, args.step_confidence):
+    for n, backend, confidence, every in itertools.product(args.contexts, backends, args.step_confidence, args.step_every):
         tokens = texts[n]
         print(f"reading {n:,} tokens with recall on ({backend} backend), then one question and {RECALL_STEPS} "
-              f"tokens of its answer (step confidence {confidence:g})", file=sys.stderr, flush=True)
+              f"tokens of its answer (step confidence {confidence:g}, a swap at most every {every} steps)",
+              file=sys.stderr, flush=True)
         eng = Engine(model, Budget.parse(args.budget), args.method, max_tokens=n + len(question) + RECALL_STEPS + 8,
-                     n_threads=args.threads, recall=True, backend=backend, recall_step_confidence=confidence)
+                     n_threads=args.threads, recall=True, backend=backend, recall_step_confidence=confidence,
+                     recall_step_every=every)
         eng.prefill(tokens)  # a document read before any question: the generic probe
         s = eng.stats
         out0, in0, copied0 = s.recall_rows_out, s.recall_rows_in, eng.kv.host_kv_bytes
@@ -273,7 +277,7 @@ def run_recall_cost(args, model: Model) -> int:
         decode0 = s.decode_seconds
         answer = len(list(eng.generate(RECALL_STEPS, stop_at_eog=False)))
         seconds = s.recall_seconds + s.recall_step_seconds
-        rows.append(dict(tokens=n, backend=backend, step_confidence=confidence, prefill_seconds=s.prefill_seconds,
+        rows.append(dict(tokens=n, backend=backend, step_confidence=confidence, step_every=every, prefill_seconds=s.prefill_seconds,
                          question_seconds=s.recall_seconds, steps=s.recall_steps, step_seconds=s.recall_step_seconds,
                          confident_steps=s.recall_steps_confident,
                          answer_tokens=answer, answer_seconds=s.decode_seconds - decode0, recall_seconds=seconds,
@@ -286,17 +290,17 @@ def run_recall_cost(args, model: Model) -> int:
     if _json_or_title(args, model, "recall", rows, f"one question after the document, {RECALL_STEPS} answer tokens"):
         return 0
     mib = 2**20
-    print(f"{'tokens':>8} {'backend':>8} {'budget':>7} {'conf':>5} {'prefill s':>10} {'question s':>11} {'steps':>6} {'sure':>5} {'steps s':>8} "
+    print(f"{'tokens':>8} {'backend':>8} {'budget':>7} {'conf':>5} {'every':>5} {'prefill s':>10} {'question s':>11} {'steps':>6} {'sure':>5} {'steps s':>8} "
           f"{'share':>7} {'scored':>8} {'rows in':>8} {'rows out':>9} {'tier MiB':>9} {'KV MiB':>7} {'copied MiB':>11}"
           f"   target: share <= 3%")
     for r in rows:
-        print(f"{r['tokens']:>8,} {r['backend']:>8} {r['budget_cells']:>7,} {r['step_confidence']:>5g} {r['prefill_seconds']:>10.1f} "
+        print(f"{r['tokens']:>8,} {r['backend']:>8} {r['budget_cells']:>7,} {r['step_confidence']:>5g} {r['step_every']:>5} {r['prefill_seconds']:>10.1f} "
               f"{r['question_seconds']:>11.2f} {r['steps']:>6} {r['confident_steps']:>5} {r['step_seconds']:>8.2f} {100 * r['share']:>6.2f}% "
               f"{r['candidates']:>8,} {r['rows_in']:>8,} {r['rows_out']:>9,} {r['host_tier_bytes'] / mib:>9.1f} "
               f"{r['kv_bytes_allocated'] / mib:>7.1f} {r['recall_host_kv_bytes'] / mib:>11.1f}")
-    print("conf: --step-confidence; question s: the question's re-selection (its probe decode included); steps: the "
+    print("conf: --step-confidence; every: --step-every; question s: the question's re-selection (its probe decode included); steps: the "
           "answer's tokens that re-selected with their own query (sure: of them, those whose decode predicted the next "
-          "token above conf and was kept: no swap, their time is decoding's); steps s: the others' time; share: both, of the prefill; copied: K/V bytes they moved between "
+          "token above conf, or came fewer than every steps after the last swap, and was kept: no swap, their time is decoding's); steps s: the others' time; share: both, of the prefill; copied: K/V bytes they moved between "
           "llama.cpp and the host (state: the cache out and back each time; native: only the rows brought back in "
           "and the evicted rows out)")
     return 0
@@ -325,6 +329,10 @@ def add_arguments(p) -> None:
                    help="with --recall-cost: an answer step whose decode predicts the next token above P swaps nothing "
                         "and its query waits for the next swap (Engine(recall_step_confidence=); default %(default)s; "
                         "1: every step swaps); several: side by side")
+    p.add_argument("--step-every", type=int, nargs="+", default=[RECALL_STEP_EVERY], metavar="N",
+                   help="with --recall-cost: an answer step swaps only when N steps past the last swap, the ones between "
+                        "keep their decode and hold their queries for it (Engine(recall_step_every=); default "
+                        "%(default)s); several: side by side")
     p.add_argument("--frontier", action="store_true",
                    help="per --contexts length: the full F16 cache, the q8_0 and q4_0 K+V caches, the method at the "
                         "budget and on a q8_0 cache — KV bytes, TTFT, decode speed, compression share")

@@ -10,7 +10,7 @@ import numpy as np
 
 from kvlocal.compress import make_scorer
 from kvlocal.errors import UsageError
-from kvlocal.runtime import N_UBATCH, RowRecord
+from kvlocal.runtime import N_UBATCH, RowRecord, top_probability
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class EngineStats:
     recall_seconds: float = 0.0  # their time (the question's probe decode included)
     recall_steps: int = 0  # re-selections at an answer's first tokens (``recall_steps`` of them per answer)
     recall_step_seconds: float = 0.0  # the time of those that swapped (each token's probe decode included)
-    recall_steps_confident: int = 0  # of them, decodes that predicted the next token confidently: kept, no swap
+    recall_steps_confident: int = 0  # of them, decodes kept (no swap): confident, or too soon after a swap
     recall_candidates: int = 0  # tier rows scored by re-selections (the best pages' rows)
     recall_rows_in: int = 0  # rows brought back to the device
     recall_rows_out: int = 0  # rows the tier took (each row once: one brought back and evicted again costs nothing)
@@ -127,6 +127,18 @@ RECALL_STEP_CANDIDATES = RECALL_CANDIDATES
 # (a swap serves the tokens after it). docs/recall.md § Choices: a turn at 3-5% of the prefill instead of 4-11%,
 # 29 of 48 facts on the development chat against 25, the reported eval unchanged
 RECALL_STEP_CONFIDENCE = 0.9
+# an answer step may swap only when it is this many steps past the last swap (the ones between keep their decode and
+# hold their query for it, as confident ones do); 1: any step may swap
+RECALL_STEP_EVERY = 1
+
+
+def step_keeps(held: int, every: int, confidence: float):
+    """An answer step's ``keep_if`` (:meth:`Engine._observe`): None where every step swaps; else a test of the
+    step's logits that is true where it keeps its decode — fewer than ``every`` steps past the last swap with the
+    ``held`` queries waiting, or a next token more probable than ``confidence``."""
+    if held + 1 < every:
+        return lambda logits: True
+    return None if confidence >= 1 else lambda logits: top_probability(logits) > confidence
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Bounded-memory generation: chunked prefill and decoding inside a fixed llama.cpp KV budget.
 
-The llama.cpp context is created with ``n_ctx = budget + chunk + probe`` cells, not the prompt
-length, so KV memory is O(budget). A long prompt is decoded in chunks; after each chunk, and during
-decoding whenever the live cells pass ``budget + slack``, one *compression event* runs:
+The llama.cpp context is created with ``n_ctx = budget + chunk + probe`` cells, not the prompt length, so KV
+memory is O(budget). A long prompt is decoded in chunks; after each chunk, and during decoding whenever the live
+cells pass ``budget + slack``, one *compression event* runs:
 
     observe  decode the probe (the question, or a generic prompt) with query capture, then remove it
     read     K/V rows and positions of every cell (state backend) / the cells' positions (native)
@@ -17,36 +17,32 @@ ggml graphs, and only queries, scores, positions, indices and the rows a method 
 ``state`` reads the sequence state to the host, scores it there and loads it back (any llama.cpp build; the
 oracle native is tested against). Both run every method; ``auto`` picks native where the cache is on a GPU.
 
-Different KV heads may keep different tokens in the same cell: attention is computed per head, so a
-cell is just a slot. A cell has one position (for the causal mask and for "the next token goes at
-max position + 1"); the backend keeps each row's true source position (its ``RowRecord``) and the
-scorers use it for pooling and recency.
+Different KV heads may keep different tokens in the same cell: attention is computed per head, so a cell is just
+a slot. A cell has one position (for the causal mask and for "the next token goes at max position + 1"); the
+backend keeps each row's true source position (its ``RowRecord``) and the scorers use it for pooling and recency.
 
-The recall tier (``recall=``; :mod:`kvlocal.recall`): the rows an event evicts go to host memory, and a
-later question (``append(..., recall=True)``, :meth:`Engine.recall`) scores the device cells and the
-tier's best pages together and swaps rows in and out, inside the same budget.
+The recall tier (``recall=``; :mod:`kvlocal.recall`): the rows an event evicts go to host memory, and a later
+question (``append(..., recall=True)``, :meth:`Engine.recall`) scores the device cells and the tier's best pages
+together and swaps rows in and out, inside the same budget.
 
-Models with interleaved sliding-window attention (Gemma 3) keep two caches in llama.cpp: the
-sliding layers' cache is bounded by the window already, and llama.cpp keeps it; kvlocal compresses
-the full-attention layers' cache (``model.arch.full_layers``) to the budget. Memory figures count both.
-
-Scoring uses the model's own attention scale (``arch.attn_scale``: Gemma's query scaling, a file's
-``attention.scale``), with head sizes from ``key_length``/``value_length``.
+Models with interleaved sliding-window attention (Gemma 3) keep two caches in llama.cpp: the sliding layers'
+cache is bounded by the window already, and llama.cpp keeps it; kvlocal compresses the full-attention layers'
+cache (``model.arch.full_layers``) to the budget. Memory figures count both. Scoring uses the model's own
+attention scale (``arch.attn_scale``: Gemma's query scaling, a file's ``attention.scale``), with head sizes from
+``key_length``/``value_length``.
 
 The observation window (docs/engine.md, "What scores the cache"):
 
-- prefill and a chat turn: the probe is the last ``recent`` tokens of the text being added (its end:
-  the question and, in a chat, the template's assistant header), or ``probe=`` given explicitly;
-- decode-time events: the last half-window of that probe followed by the last half-window of the
-  reply generated so far, so a long reply is scored by what it is saying now as well as by the
-  question, and does not lose its own beginning to a question that never looks at it.
+- prefill and a chat turn: the probe is the last ``recent`` tokens of the text being added (its end: the question
+  and, in a chat, the template's assistant header), or ``probe=`` given explicitly;
+- decode-time events: the last half-window of that probe followed by the last half-window of the reply generated
+  so far, so a long reply is scored by what it is saying now as well as by the question, and does not lose its own
+  beginning to a question that never looks at it.
 
-Ctrl-C (KeyboardInterrupt) at any point leaves the engine as it was before the interrupted chunk or
-token: cells past the last completed position are removed, and a compression event either completes
-or leaves the previous cells (``write_seq`` is all or nothing).
-
-An Engine is not thread-safe: use one per thread (or guard it with a lock). Several engines may
-share nothing but the read-only W_O cache.
+Ctrl-C (KeyboardInterrupt) at any point leaves the engine as it was before the interrupted chunk or token: cells
+past the last completed position are removed, and a compression event either completes or leaves the previous
+cells (``write_seq`` is all or nothing). An Engine is not thread-safe: use one per thread (or guard it with a
+lock). Several engines may share nothing but the read-only W_O cache.
 """
 
 from __future__ import annotations
@@ -60,7 +56,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, observation_window, plan_layers
-from kvlocal.engine.config import OBSERVE_EVERY, PLAN_WORKERS, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
+from kvlocal.engine.config import OBSERVE_EVERY, PLAN_WORKERS, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_recall, step_keeps
 from kvlocal.engine.interrupts import interrupts_deferred
 from kvlocal.engine.observation import Observations, Rope, joined
 from kvlocal.engine.positions import reposition
@@ -68,7 +64,7 @@ from kvlocal.errors import UsageError
 from kvlocal.recall import HostTier, choose_candidates, evicted, store_evicted, with_candidates
 from kvlocal.runtime import (CacheBasis, CacheLost, CacheRead, Context, Model, QueryCapture, Sampler, bytes_per_value,
                              has_attention_bias, kv_cache_bytes, make_backend, output_projections, pad_cells,
-                             resolve_backend, row_format, top_probability)
+                             resolve_backend, row_format)
 
 # A generic observation window for when the question is not known yet (a document read before the
 # chat starts). Query-agnostic, in the spirit of KVzip's reconstruction prompt: queries that ask for
@@ -110,6 +106,7 @@ class Engine:
         recall_steps: int = RECALL_STEPS,
         recall_step_candidates: float = RECALL_STEP_CANDIDATES,
         recall_step_confidence: float = RECALL_STEP_CONFIDENCE,
+        recall_step_every: int = RECALL_STEP_EVERY,
         observe_every: int = OBSERVE_EVERY,
     ):
         budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
@@ -161,8 +158,7 @@ class Engine:
         self.stats = EngineStats(n_ctx=self.ctx.n_ctx, budget_cells=self.budget_cells, backend=self.backend,
                                  kv_bytes_allocated=sum(allocated), kv_bytes_swa=allocated[1],
                                  kv_bytes_measured=measured is not None,
-                                 # stock llama.cpp allocates a full cache (of the same types) for every token
-                                 # the session may see
+                                 # stock llama.cpp: a full cache (of the same types) for every token it may see
                                  kv_bytes_full=sum(kv_cache_bytes(m, pad_cells(max_tokens), bias=False,
                                                                   bytes_per_elem=self.bytes_per_value)))
         # where events read and write the cache, and its record of each row's true position and count
@@ -174,11 +170,13 @@ class Engine:
         # tier rows scored exactly per head at a question, as a multiple of the budget (the best pages by bound)
         self.recall_candidates = float(recall_candidates)
         # the first tokens of an answer re-select too, each observed by its own query (:meth:`_recall_step`)
-        if recall_steps < 0:
-            raise UsageError(f"recall_steps {recall_steps} must be >= 0 (0: only the question re-selects)")
-        self.recall_steps = int(recall_steps)
-        self.recall_step_candidates = float(recall_step_candidates)  # a step's tier rows scored, × the budget
-        self.recall_step_confidence = float(recall_step_confidence)  # above it a step keeps its decode unswapped
+        if recall_steps < 0 or recall_step_every < 1:
+            raise UsageError(f"recall_steps {recall_steps} must be >= 0 (0: only the question re-selects), "
+                             f"recall_step_every {recall_step_every} >= 1")
+        # a step's tier rows scored (× the budget); above the confidence a step keeps its decode unswapped, and so do
+        # the steps fewer than recall_step_every past the last swap
+        self.recall_steps, self.recall_step_candidates = int(recall_steps), float(recall_step_candidates)
+        self.recall_step_confidence, self.recall_step_every = float(recall_step_confidence), int(recall_step_every)
         self._answering = False  # the tokens generated now answer a question that re-selected the cache
         self._held: tuple[list[np.ndarray], np.ndarray] | None = None  # the queries of kept steps, for the next swap
         self.tier = HostTier(len(self.layers), m.n_head_kv, row_format(type_k, m.arch.head_dim_k),
@@ -529,16 +527,18 @@ class Engine:
         next token (Quest's per-step selection, as a swap). The question's queries choose what the answer starts
         from; a fact's later tokens (a code's next digit) are found by the query that copies them. ``tok`` is
         decoded with its query captured; if that decode predicts the next token with a probability above
-        ``recall_step_confidence`` it is kept (no swap: returns True) and its query held for the next swap (a
-        swap serves the tokens after it: " pass", " key" find the key " is" goes on to), else it is removed, the
-        cache re-selected by its query and the held ones, and the caller decodes ``tok`` again. Counted in
-        ``recall_steps`` (``recall_steps_confident``); ``recall_step_seconds``: the steps that swapped."""
+        ``recall_step_confidence``, or comes fewer than ``recall_step_every`` steps after the last swap, it is kept
+        (no swap: returns True) and its query held for the next swap (a swap serves the tokens after it: " pass",
+        " key" find the key " is" goes on to), else it is removed, the cache re-selected by its query and the held
+        ones, and the caller decodes ``tok`` again. Counted in ``recall_steps`` (``recall_steps_confident``: the
+        kept ones); ``recall_step_seconds``: the steps that swapped."""
         if self.tier.n_rows == 0:
             return False
         t0 = time.perf_counter()
         self.stats.recall_steps += 1
-        sure = None if self.recall_step_confidence >= 1 else lambda z: top_probability(z) > self.recall_step_confidence
-        q, q_pos, kept = self._observe([tok], keep_if=sure)  # (no logits to compute where no step is ever sure)
+        sure = step_keeps(0 if self._held is None else len(self._held[1]), self.recall_step_every,
+                          self.recall_step_confidence)  # None: no logits to compute, the step swaps
+        q, q_pos, kept = self._observe([tok], keep_if=sure)
         if self._held is not None:
             q, q_pos = joined(self._held, (q, q_pos))
         self._held = (q, q_pos) if kept else None
