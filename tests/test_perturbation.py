@@ -103,6 +103,16 @@ def test_the_caches_are_what_the_reference_compressors_keep(analysis):
             assert set(range(4)) <= set(held[0].tolist()) and set(analysis.q_pos.tolist()) <= set(held[0].tolist())
 
 
+def test_a_budget_is_memory_for_the_head_adaptive_methods_too(analysis):
+    """AdaKV's heads share a layer's cells unevenly: its plan fits the budget's cells, as the engine's does (a mean
+    head budget of cells / max_share), instead of giving every head the cells and the widest up to twice them."""
+    cells = analysis.budget_cells(0.1)
+    for method in ("adakv", "criticalkv+adakv"):
+        layers = analysis.compressed(method, cells)
+        widths = [int((layers[il].pos >= 0).sum(dim=1).max()) for il in analysis.layers]
+        assert max(widths) <= cells and layers[analysis.layers[0]].pos.shape[1] <= cells, method
+
+
 def test_compression_perturbs_and_more_budget_perturbs_less(measured):
     for method in ("streaming", "snapkv", "criticalkv"):
         small, large = measured[(method, 0.1)], measured[(method, 0.4)]

@@ -130,8 +130,9 @@ class Perturbation:
 
     def compressed(self, method: str, cells: int, params: dict | None = None) -> dict:
         """``{il: LayerKV}``: every compressed layer's cache as the engine's scorer ``method`` (with
-        hyperparameters ``params``, :func:`~kvlocal.compress.make_scorer`) leaves it at ``cells`` entries per
-        head (its :class:`~kvlocal.compress.Plan`, materialized)."""
+        hyperparameters ``params``, :func:`~kvlocal.compress.make_scorer`) leaves it in ``cells`` slots per layer
+        (its :class:`~kvlocal.compress.Plan`, materialized): each head's budget is the scorer's share of them, as
+        the engine's (``budget_for_cells``: all of them, or less for AdaKV, whose widest head fills the cells)."""
         import numpy as np
         import torch
 
@@ -146,7 +147,8 @@ class Perturbation:
                                   q_pos=self.q_pos.numpy(), wo=self.model.layers[il].attention.wo.weight.numpy(),
                                   layer=il, n_sink=self.n_sink, recent=self.window)
 
-        plan = plan_layers(make_scorer(method, **(params or {})), inputs(), cells)
+        scorer = make_scorer(method, **(params or {}))
+        plan = plan_layers(scorer, inputs(), scorer.budget_for_cells(cells))
         k, v, counts, bias = plan.materialize([kv.k.permute(1, 0, 2).numpy() for kv in full],
                                               [kv.v.permute(1, 0, 2).numpy() for kv in full])
         return {il: LayerKV(k=torch.from_numpy(np.ascontiguousarray(k[i].transpose(1, 0, 2))),
