@@ -262,7 +262,8 @@ def run_recall_cost(args, model: Model) -> int:
     question = model.tokenize(QUESTION, add_special=False)
     backends = args.backends or default_backends()
     texts = {n: long_text(model, n) for n in args.contexts}  # one document per length, read by every run of it
-    for n, backend, confidence, every in itertools.product(args.contexts, backends, args.step_confidence, args.step_every):
+    runs = itertools.product(args.contexts, backends, args.step_confidence, args.step_every)
+    for n, backend, confidence, every in runs:
         tokens = texts[n]
         print(f"reading {n:,} tokens with recall on ({backend} backend), then one question and {RECALL_STEPS} "
               f"tokens of its answer (step confidence {confidence:g}, a swap at most every {every} steps)",
@@ -277,7 +278,8 @@ def run_recall_cost(args, model: Model) -> int:
         decode0 = s.decode_seconds
         answer = len(list(eng.generate(RECALL_STEPS, stop_at_eog=False)))
         seconds = s.recall_seconds + s.recall_step_seconds
-        rows.append(dict(tokens=n, backend=backend, step_confidence=confidence, step_every=every, prefill_seconds=s.prefill_seconds,
+        rows.append(dict(tokens=n, backend=backend, step_confidence=confidence, step_every=every,
+                         prefill_seconds=s.prefill_seconds,
                          question_seconds=s.recall_seconds, steps=s.recall_steps, step_seconds=s.recall_step_seconds,
                          confident_steps=s.recall_steps_confident,
                          answer_tokens=answer, answer_seconds=s.decode_seconds - decode0, recall_seconds=seconds,
@@ -330,9 +332,9 @@ def add_arguments(p) -> None:
                         "and its query waits for the next swap (Engine(recall_step_confidence=); default %(default)s; "
                         "1: every step swaps); several: side by side")
     p.add_argument("--step-every", type=int, nargs="+", default=[RECALL_STEP_EVERY], metavar="N",
-                   help="with --recall-cost: an answer step swaps only when N steps past the last swap, the ones between "
-                        "keep their decode and hold their queries for it (Engine(recall_step_every=); default "
-                        "%(default)s); several: side by side")
+                   help="with --recall-cost: an answer step swaps only when N steps past the last swap, the ones "
+                        "between keep their decode and hold their queries for it (Engine(recall_step_every=); "
+                        "default %(default)s); several: side by side")
     p.add_argument("--frontier", action="store_true",
                    help="per --contexts length: the full F16 cache, the q8_0 and q4_0 K+V caches, the method at the "
                         "budget and on a q8_0 cache — KV bytes, TTFT, decode speed, compression share")

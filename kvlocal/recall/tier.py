@@ -134,11 +134,10 @@ class HeadStore:
         if self._row_of is None:
             self._row_of = np.full(int(self.pos[:self.n].max(initial=-1)) + 1, -1, np.int32)
             self._row_of[self.pos[:self.n]] = np.arange(self.n)
-        table = self._row_of
-        inside = pos < len(table)
-        if inside.all():
-            return table[pos].astype(np.int64)
-        return np.where(inside, table[np.where(inside, pos, 0)] if len(table) else -1, -1).astype(np.int64)
+        inside = pos < len(self._row_of)
+        ids = np.full(len(pos), -1, np.int64)
+        ids[inside] = self._row_of[pos[inside]]
+        return ids
 
     def _indexed(self, pos: np.ndarray, ids: np.ndarray) -> None:
         """Rows ``ids`` were stored at positions ``pos``: the position index follows (if it was built)."""
@@ -271,7 +270,8 @@ class HostTier:
         for c in range(n0 // CHUNK, (n0 + m - 1) // CHUNK + 1):  # the chunks the rows n0 .. n0+m-1 fall in
             lo, hi = max(c * CHUNK, n0), min((c + 1) * CHUNK, n0 + m)
             ck, cv = s.chunks[c]
-            ck[lo - c * CHUNK:hi - c * CHUNK], cv[lo - c * CHUNK:hi - c * CHUNK] = k[lo - n0:hi - n0], v[lo - n0:hi - n0]
+            ck[lo % CHUNK:lo % CHUNK + hi - lo] = k[lo - n0:hi - n0]
+            cv[lo % CHUNK:lo % CHUNK + hi - lo] = v[lo - n0:hi - n0]
         s.pos[n0:n0 + m], s.vnorm[n0:n0 + m], s.on_device[n0:n0 + m] = pos, vnorm, False
         # page bounds: the rows' keys reduced per page they fall in; a page begun before takes its old bound too
         keys = np.asarray(keys, dtype=np.float32)
