@@ -399,14 +399,12 @@ class Chat:
                    observe_every=s.observe_every, recall_steps=s.recall_steps)
         try:
             a, e = f.arrays, h["engine"]
-            tier_mark = None  # no tier saved: a tier this chat has starts empty
             if chat.engine.tier is not None and "tier_n" in a:
                 chat.engine.tier.load_arrays(a)
-                tier_mark = chat.engine.tier.mark_of()
             chat.engine.restore(EngineState(
                 blob=a["state"], n_past=e["n_past"], last_token=e["last_token"], logits=a.get("logits"),
                 record=RowRecord(a["slot_pos"], a["slot_true"], a["slot_vnorm"], a["slot_count"]),
-                tier_mark=tier_mark, settled=e["settled"], probe=e["probe"], reply=e["reply"], stats=e["stats"]))
+                tier_mark=a.get("tier_n"), settled=e["settled"], probe=e["probe"], reply=e["reply"], stats=e["stats"]))
             chat.session.t = Transcript(**h["transcript"])
         except BaseException:
             chat.close()

@@ -117,8 +117,8 @@ PLAN_WORKERS = 4
 # docs/recall.md § Choices: on the development chat 4, 10 and 32 steps found 13, 15 and 15 of 24 facts, none 8)
 RECALL_STEPS = 16
 # tier rows a question scores exactly, as a multiple of the head budget (the best pages by bound; docs/recall.md
-# § Choices: with pages in position order two budgets found more facts on the development chat than one, three or four)
-RECALL_CANDIDATES = 2.0
+# § Choices: one budget found 1 of 6 facts, four 5 of 6, every row the same 5)
+RECALL_CANDIDATES = 4.0
 # and an answer step, as a question (a step displaces at most that many of the question's rows). A quarter was
 # tried: 40% less step time, the same facts on the development chat, fewer on the reported eval (§ Choices)
 RECALL_STEP_CANDIDATES = RECALL_CANDIDATES
@@ -171,7 +171,7 @@ class EngineState:
     last_token: int
     logits: np.ndarray | None
     record: RowRecord
-    tier_mark: np.ndarray | None  # the tier's rows per head then, and how many sorted ([n_layer, Hkv, 2]); None: none
+    tier_mark: np.ndarray | None  # rows per head of the recall tier then ([n_layer, Hkv]); None: no tier
     settled: int
     probe: list[int] | None
     reply: list[int]

@@ -181,7 +181,7 @@ class Engine:
         self._held: tuple[list[np.ndarray], np.ndarray] | None = None  # the queries of kept steps, for the next swap
         self.tier = HostTier(len(self.layers), m.n_head_kv, row_format(type_k, m.arch.head_dim_k),
                              row_format(type_v, m.arch.head_dim_v), m.arch.head_dim_k, recall_mem,
-                             recall_dir, self.basis.keys) if recall else None
+                             recall_dir) if recall else None
         self._broken: str | None = None  # set when a failed rewrite lost the cache: nothing more may run
         self.n_past = 0  # next position
         self.logits: np.ndarray | None = None
@@ -508,15 +508,15 @@ class Engine:
             s.compression_breakdown[name] = s.compression_breakdown.get(name, 0.0) + dt
 
     def recall(self, probe: Sequence[int] | None) -> int:
-        """Re-select the cache for a new question (the recall tier, :mod:`kvlocal.recall`): decode the probe with
-        query capture (then remove it), rank the tier's pages (spans of the document) by their key bounds, score
-        the device cells and the best pages' rows together with the method, and swap — the best rows of each head
-        come in, the rows they displace go out to the tier. Returns the rows brought back (0: no tier or row)."""
+        """Re-select the cache for a new question (the recall tier, :mod:`kvlocal.recall`): decode the
+        probe with query capture (then remove it), rank the tier's pages by their key bounds, score the
+        device cells and the best pages' rows together with the method, and swap — the best rows of each
+        head come in, the rows they displace go out to the tier. Returns the rows brought back (0 without
+        a tier, or when it holds nothing off the device)."""
         if self.tier is None or self.tier.n_rows == 0:
             return 0
         self._check_usable()
         t0 = time.perf_counter()
-        self.tier.order_pages()  # the answer's steps read the pages as the question left them
         moved = self._reselect(*self._observe(self._probe_tokens(probe))[:2], self.recall_candidates)
         self.stats.recall_events += 1
         self.stats.recall_seconds += time.perf_counter() - t0

@@ -3,9 +3,9 @@
 When a question arrives its tokens are the observation the earlier evictions never had. Per compressed
 layer and KV head:
 
-1. **candidates** — the tier's pages (spans of the document: :meth:`~kvlocal.recall.tier.HeadStore.page_order`)
-   are ranked by Quest's bound on ``q·k`` over the question's queries (no row read), and the best pages are
-   taken until they hold ``n_rows`` rows not on the device now (:meth:`~kvlocal.recall.tier.HeadStore.candidates`);
+1. **candidates** — the tier's pages are ranked by Quest's bound on ``q·k`` over the question's queries
+   (:meth:`~kvlocal.recall.tier.HeadStore.page_bounds`, no row read), and the best pages are taken until
+   they hold ``n_rows`` rows not on the device now;
 2. **union** — those rows join the device cells as extra rows of the cache being compressed
    (:func:`with_candidates`): the configured method then scores device and candidate rows with one
    softmax and one pooling along positions (a fact's neighbouring tokens rank together), and keeps each
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlocal.recall.tier import HostTier
+from kvlocal.compress.kernels import page_candidates
+from kvlocal.recall.tier import PAGE, HostTier
 
 
 @dataclass
@@ -44,8 +45,12 @@ def choose_candidates(tier: HostTier, q: list[np.ndarray], n_rows: int) -> Candi
     ids = []
     for layer, ql in zip(tier.heads, q):
         group = ql.shape[0] // len(layer)
-        ids.append([s.candidates(ql[h * group:(h + 1) * group].reshape(-1, ql.shape[-1]), n_rows)
-                    for h, s in enumerate(layer)])
+        per_head = []
+        for h, s in enumerate(layer):  # (HeadStore.page_bounds is the bound in numpy)
+            q_head = ql[h * group:(h + 1) * group].reshape(-1, ql.shape[-1])
+            per_head.append(page_candidates(q_head, s.kmin, s.kmax, s.on_device[:s.n], PAGE, n_rows) if s.n
+                            else np.zeros(0, np.int64))
+        ids.append(per_head)
     return Candidates(ids, max((len(i) for layer in ids for i in layer), default=0))
 
 
@@ -69,15 +74,12 @@ def with_candidates(read, tier: HostTier, cands: Candidates, backend, span: str 
     count = np.zeros((n_layer, hkv, m), np.int64)
     tier_ids = np.full((n_layer, hkv, m), -1, np.int64)
     union, k_new, v_new = backend.extend(read, m)
-    pages = np.full((n_layer, hkv, m), -1, np.int64)
     for l in range(n_layer):
         for h, ids in enumerate(cands.ids[l]):
             s = tier.heads[l][h]
             s.rows_into(ids, k_new[l][:len(ids), h], v_new[l][:len(ids), h])
             true[l, h, :len(ids)], vnorm[l, h, :len(ids)] = s.pos[ids], s.vnorm[ids]
             count[l, h, :len(ids)], tier_ids[l, h, :len(ids)] = 1, ids
-            if span == "page":
-                pages[l, h, :len(ids)] = s.page_of(ids)
 
     def join(device, new):
         return np.concatenate([device, new], axis=2)
@@ -85,7 +87,7 @@ def with_candidates(read, tier: HostTier, cands: Candidates, backend, span: str 
     device_ids = np.full(read.true.shape, -1, np.int64)
     groups = None
     if span == "page":
-        groups = join(device_ids, pages)
+        groups = join(device_ids, np.where(tier_ids >= 0, tier_ids // PAGE, -1))
     return dataclasses.replace(union, true=join(read.true, true), vnorm=join(read.vnorm, vnorm),
                                count=join(read.count, count), groups=groups, tier_ids=join(device_ids, tier_ids))
 

@@ -8,18 +8,11 @@ the row). Rows are identified by (layer, KV head, position): a token's row is st
 time it leaves; when a later question brings it back it stays here, flagged as on the device, so that
 leaving again costs nothing.
 
-Pages. A head's rows are stored in the order they leave (an event's rows in position order), and read in pages
-of ``PAGE`` rows in *position order* (:meth:`HeadStore.page_order`): when a question comes
-(:meth:`HostTier.order_pages`) every row stored so far is sorted by position; rows that leave later, at the
-answer's swaps, follow in the order they left until the next question. Rows leave at different events — a
-fact's rows some at the first compression, others kept a while and dropped later, or displaced by a swap —
-so pages in leaving order mix a sentence with other text; in position order a page is a span of the
-document, as Quest's are. Every page keeps the element-wise minimum and maximum of its keys (Quest), in the
-basis the keys are stored in (Walsh–Hadamard-rotated for a quantized cache, where queries are rotated to
-match). For a query ``q``, ``Σ_d max(q_d·min_d, q_d·max_d)`` bounds ``q·k`` for every key of the page, so
-pages can be ranked without reading their rows (:meth:`HeadStore.page_bounds`). The pages are a function of
-the rows and of how many of them are sorted (:meth:`HostTier.mark_of` keeps both), so a tier truncated to
-an earlier mark, or loaded from a saved session, chooses as the original did.
+Pages. A head's rows are stored in the order they leave (an event's rows in position order), ``PAGE``
+rows a page; every page keeps the element-wise minimum and maximum of its keys (Quest), in the basis the
+keys are stored in (Walsh–Hadamard-rotated for a quantized cache, where queries are rotated to match).
+For a query ``q``, ``Σ_d max(q_d·min_d, q_d·max_d)`` bounds ``q·k`` for every key of the page, so pages
+can be ranked without reading their rows (:meth:`HeadStore.page_bounds`).
 
 Memory. Rows live in chunks of ``CHUNK`` rows taken from a :class:`Pool`: host RAM up to ``mem_limit``
 bytes, then (with ``spill_dir``) a file in that folder, memory-mapped and grown by preallocated extents
@@ -33,11 +26,10 @@ import mmap
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
-from kvlocal.compress.kernels import gather_rows, page_candidates
+from kvlocal.compress.kernels import gather_rows
 from kvlocal.errors import UsageError
 
 PAGE = 16  # rows per page (Quest uses 16)
@@ -117,7 +109,6 @@ class HeadStore:
     row_k: tuple  # (dtype, shape)
     row_v: tuple
     key_dim: int
-    keys_of: Callable[[np.ndarray], np.ndarray]  # K rows as stored -> float32 keys in the stored basis
     n: int = 0
     pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     vnorm: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
@@ -127,9 +118,6 @@ class HeadStore:
     chunks: list = field(default_factory=list)  # [(k [CHUNK, ...], v [CHUNK, ...])]
     _addr: tuple = (np.zeros(0, np.uintp), np.zeros(0, np.uintp))  # the chunks' K and V addresses
     _row_of: np.ndarray | None = None  # row id by position (-1: none), built when first asked, kept as rows come
-    sorted_rows: int = 0  # the first rows (as they came) that the pages read in position order
-    _perm: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # their ids, by position
-    _paged: bool = True  # _perm and the page bounds follow sorted_rows (False: built again when next read)
 
     def __post_init__(self) -> None:
         if self.kmin is None:
@@ -163,48 +151,8 @@ class HeadStore:
         self._row_of[pos] = ids
 
     def forget_index(self) -> None:
-        """Rows were dropped or renumbered: the position index and the pages are built again when next asked."""
+        """Rows were dropped or renumbered: the position index is built again when next asked."""
         self._row_of = None
-        self._paged = False
-
-    def page_order(self) -> np.ndarray:
-        """Row ids in page order (page ``p``: entries ``p * PAGE`` to ``(p + 1) * PAGE``): the first ``sorted_rows``
-        rows sorted by position (stable), then the later rows as they came; the page bounds follow this order."""
-        if not self._paged:  # rows were sorted or dropped: sort, and bound every page again from the keys
-            self._perm = np.argsort(self.pos[:self.sorted_rows], kind="stable").astype(np.int32)
-            order = self._tail_after(self._perm)
-            if self.n:
-                k = np.empty((self.n, *self.row_k[1]), dtype=self.row_k[0])
-                gather_rows(self._addresses()[0], CHUNK, order.astype(np.int64), k)
-                keys = np.asarray(self.keys_of(k), dtype=np.float32).reshape(self.n, self.key_dim)
-                starts = np.arange(0, self.n, PAGE)
-                self.kmin[:len(starts)] = np.minimum.reduceat(keys, starts, axis=0)
-                self.kmax[:len(starts)] = np.maximum.reduceat(keys, starts, axis=0)
-            self._paged = True
-            return order
-        return self._tail_after(self._perm)
-
-    def bounds(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(kmin, kmax)`` ``[n_pages, key_dim]``: the pages' (:meth:`page_order`) element-wise key bounds."""
-        self.page_order()
-        return self.kmin[:self.n_pages], self.kmax[:self.n_pages]
-
-    def _tail_after(self, perm: np.ndarray) -> np.ndarray:
-        return np.concatenate([perm, np.arange(len(perm), self.n, dtype=np.int32)])
-
-    def candidates(self, q: np.ndarray, n_want: int) -> np.ndarray:
-        """Row ids off the device of the best pages by bound over the queries ``q`` ``[m, key_dim]``, taken
-        until they hold ``n_want`` such rows (:func:`~kvlocal.compress.kernels.page_candidates`), in page order."""
-        if self.n == 0:
-            return np.zeros(0, np.int64)
-        order = self.page_order()
-        return order[page_candidates(q, self.kmin, self.kmax, self.on_device[order], PAGE, n_want)].astype(np.int64)
-
-    def page_of(self, ids: np.ndarray) -> np.ndarray:
-        """The page each of the rows ``ids`` is read in (:meth:`page_order`)."""
-        where = np.empty(self.n, np.int64)
-        where[self.page_order()] = np.arange(self.n)
-        return where[ids] // PAGE
 
     def rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """K and V of the rows ``ids``: ``[m, ...]`` each, copies."""
@@ -215,25 +163,20 @@ class HeadStore:
 
     def rows_into(self, ids: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Copy K and V of the rows ``ids`` into ``k``/``v`` ``[len(ids), ...]`` (views: rows any stride apart)."""
-        addr_k, addr_v = self._addresses()
-        gather_rows(addr_k, CHUNK, ids, k)
-        gather_rows(addr_v, CHUNK, ids, v)
-
-    def _addresses(self) -> tuple[np.ndarray, np.ndarray]:
-        """The chunks' K and V addresses."""
         have = len(self._addr[0])
         if have != len(self.chunks):  # chunks are only ever added: so are their addresses
             new = [np.array([c[i].ctypes.data for c in self.chunks[have:]], np.uintp) for i in (0, 1)]
             self._addr = (np.append(self._addr[0], new[0]), np.append(self._addr[1], new[1]))
-        return self._addr
+        gather_rows(self._addr[0], CHUNK, ids, k)
+        gather_rows(self._addr[1], CHUNK, ids, v)
 
     def page_bounds(self, q: np.ndarray) -> np.ndarray:
-        """``[n_pages]``: for each page (:meth:`page_order`) the largest ``q·k`` any of its keys can reach, over
-        the queries ``q`` ``[m, key_dim]`` (Quest's bound)."""
+        """``[n_pages]``: for each page the largest ``q·k`` any of its keys can reach, over the queries
+        ``q`` ``[m, key_dim]`` (Quest's bound)."""
         if self.n == 0:
             return np.zeros(0, np.float32)
-        kmin, kmax = self.bounds()
-        hi = np.maximum(q, 0) @ kmax.T + np.minimum(q, 0) @ kmin.T  # [m, n_pages]
+        n = self.n_pages
+        hi = np.maximum(q, 0) @ self.kmax[:n].T + np.minimum(q, 0) @ self.kmin[:n].T  # [m, n_pages]
         return hi.max(axis=0)
 
 
@@ -242,12 +185,10 @@ class HostTier:
 
     ``row_k``/``row_v``: ``(dtype, shape)`` of one cached row (the state backend's arrays: float16 ``(d,)``
     for an F16 cache, uint8 ``(bytes,)`` for a quantized one). ``mem_limit`` bytes of RAM (None: no limit),
-    then ``spill_dir`` (None: drop what does not fit). ``keys_of``: K rows as stored → float32 keys in the
-    stored basis, for the page bounds (None: the rows' values, an F16/F32 cache's)."""
+    then ``spill_dir`` (None: drop what does not fit)."""
 
     def __init__(self, n_layer: int, n_head_kv: int, row_k: tuple, row_v: tuple, key_dim: int,
-                 mem_limit: int | None = None, spill_dir: str | os.PathLike | None = None,
-                 keys_of: Callable[[np.ndarray], np.ndarray] | None = None):
+                 mem_limit: int | None = None, spill_dir: str | os.PathLike | None = None):
         row_k = (np.dtype(row_k[0]), tuple(row_k[1]))
         row_v = (np.dtype(row_v[0]), tuple(row_v[1]))
         self.row_bytes = row_k[0].itemsize * int(np.prod(row_k[1])) + row_v[0].itemsize * int(np.prod(row_v[1]))
@@ -255,8 +196,7 @@ class HostTier:
             raise UsageError(f"--recall-mem {mem_limit:,} bytes is below one block of the tier ({CHUNK} rows of "
                              f"{self.row_bytes} bytes): give at least {CHUNK * self.row_bytes:,}, or leave it out")
         self.pool = Pool(mem_limit, spill_dir)
-        keys_of = keys_of or (lambda rows: np.asarray(rows, dtype=np.float32))
-        self.heads = [[HeadStore(row_k, row_v, key_dim, keys_of) for _ in range(n_head_kv)] for _ in range(n_layer)]
+        self.heads = [[HeadStore(row_k, row_v, key_dim) for _ in range(n_head_kv)] for _ in range(n_layer)]
         self.dropped_rows = 0
         self.rows_out = 0  # rows that crossed from the device into the tier
         self.rows_in = 0  # rows brought back to the device
@@ -270,8 +210,7 @@ class HostTier:
     def nbytes(self) -> int:
         """Host bytes of the tier: its rows (RAM and file) and its bookkeeping (positions, norms, page bounds)."""
         meta = sum(s.pos.nbytes + s.vnorm.nbytes + s.on_device.nbytes + s.kmin.nbytes + s.kmax.nbytes
-                   + (0 if s._row_of is None else s._row_of.nbytes) + s._perm.nbytes
-                   for layer in self.heads for s in layer)
+                   + (0 if s._row_of is None else s._row_of.nbytes) for layer in self.heads for s in layer)
         return self.pool.nbytes + meta
 
     def close(self) -> None:
@@ -364,16 +303,12 @@ class HostTier:
     # -- saved sessions ------------------------------------------------------------------------------
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The tier as named arrays (a saved session's): rows per head ``tier_n`` ``[n_layer, Hkv]``, then
-        every head's rows, positions, norms, flags and page bounds concatenated in (layer, head) order (the
-        bounds for readers of the file: a load bounds the pages afresh from the rows)."""
+        every head's rows, positions, norms, flags and page bounds concatenated in (layer, head) order."""
         stores = [s for layer in self.heads for s in layer]
         rows = [s.rows(np.arange(s.n)) for s in stores]
-        for s in stores:
-            s.page_order()  # the bounds saved are those of the pages as read now
         first = stores[0] if stores else None
         return {
-            "tier_n": self.mark_of()[..., 0],
-            "tier_sorted": self.mark_of()[..., 1],
+            "tier_n": self.mark_of(),
             "tier_pos": np.concatenate([s.pos[:s.n] for s in stores] or [np.zeros(0, np.int64)]),
             "tier_vnorm": np.concatenate([s.vnorm[:s.n] for s in stores] or [np.zeros(0, np.float32)]),
             "tier_on_device": np.concatenate([s.on_device[:s.n] for s in stores] or [np.zeros(0, bool)]),
@@ -392,10 +327,10 @@ class HostTier:
                 or a["tier_k"].dtype != first.row_k[0] or a["tier_v"].dtype != first.row_v[0]:
             raise UsageError("the saved recall tier does not fit this model and cache type")
         self.reserve(n)
-        row = 0
-        sort = np.asarray(a.get("tier_sorted", np.zeros_like(n)), dtype=np.int64).reshape(-1)  # none: saved unsorted
-        for s, m, sorted_rows in zip(stores, n.reshape(-1), sort):
+        row, page = 0, 0
+        for s, m in zip(stores, n.reshape(-1)):
             m = int(m)
+            pages = -(-m // PAGE)
             self._grow_meta(s, m)
             ids = np.arange(m)
             for ci in range(-(-m // CHUNK)):
@@ -407,31 +342,22 @@ class HostTier:
                     s.chunks[ci][1][:len(sel)] = a["tier_v"][row + sel]
             s.pos[:m], s.vnorm[:m] = a["tier_pos"][row:row + m], a["tier_vnorm"][row:row + m]
             s.on_device[:m] = a["tier_on_device"][row:row + m]
-            s.n, s.sorted_rows = m, min(int(sorted_rows), m)
-            s.forget_index()  # the pages are sorted and bounded from the rows when first read
-            row += m
-
-    def order_pages(self) -> None:
-        """A question comes: every head's pages read all its rows in position order (sorted when next read)."""
-        for layer in self.heads:
-            for s in layer:
-                if s.sorted_rows != s.n:
-                    s.sorted_rows, s._paged = s.n, False
+            s.kmin[:pages], s.kmax[:pages] = a["tier_kmin"][page:page + pages], a["tier_kmax"][page:page + pages]
+            s.n = m
+            s.forget_index()
+            row, page = row + m, page + pages
 
     def mark_of(self) -> np.ndarray:
-        """``[n_layer, Hkv, 2]``: per head the rows now and how many of them the pages sort — a mark to
-        :meth:`truncate` back to."""
-        return np.array([[(s.n, s.sorted_rows) for s in layer] for layer in self.heads], dtype=np.int64)
+        """``[n_layer, Hkv]`` rows per head now: a mark to :meth:`truncate` back to."""
+        return np.array([[s.n for s in layer] for layer in self.heads], dtype=np.int64)
 
     def truncate(self, mark: np.ndarray) -> None:
         """Forget the rows stored after :meth:`mark_of` gave ``mark`` (an engine restored to a snapshot: the
-        tokens of the undone turn are gone; older rows moved since are back on the device), and read the pages
-        as then."""
+        tokens of the undone turn are gone; older rows moved since are back on the device)."""
         for l, layer in enumerate(self.heads):
             for h, s in enumerate(layer):
-                n, sorted_rows = (int(x) for x in mark[l, h])
-                if (n, sorted_rows) != (s.n, s.sorted_rows):
-                    s.n, s.sorted_rows = min(n, s.n), min(sorted_rows, n, s.n)
+                if int(mark[l, h]) < s.n:
+                    s.n = int(mark[l, h])
                     s.forget_index()
 
     def renumber(self, layer: int, head: int, ids: np.ndarray, pos: np.ndarray, turn_keys) -> None:
@@ -445,7 +371,7 @@ class HostTier:
         k, v = s.rows(ids)
         k, keys = turn_keys(k, pos - s.pos[ids])
         vnorm, flags = s.vnorm[ids].copy(), s.on_device[ids].copy()
-        s.n = s.sorted_rows = 0  # stored again in position order
+        s.n = 0
         s.forget_index()
         self._store(s, pos, k, v, keys, vnorm)
         s.on_device[:len(ids)] = flags
@@ -453,7 +379,7 @@ class HostTier:
     def clear(self) -> int:
         """Forget every row (their chunks are kept for reuse); returns how many were off the device."""
         gone = sum(int((~s.on_device[:s.n]).sum()) for layer in self.heads for s in layer)
-        self.truncate(np.zeros((len(self.heads), len(self.heads[0]), 2), np.int64))
+        self.truncate(np.zeros((len(self.heads), len(self.heads[0])), np.int64))
         self.dropped_rows += gone
         return gone
 
