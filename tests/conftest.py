@@ -16,10 +16,15 @@ The policy — every test file follows it:
    proves nothing), and a new method, backend or tier gets a negative control that must lose.
 6. **One set of model fixtures**, here: each real model is pulled and loaded once per session
    (``smollm2``/``smollm2_model``, ``qwen``/``qwen_model``, ``gemma3``/``gemma3_model``).
+
+The suite runs on every core in parallel (pytest-xdist, ``-n auto`` in pyproject.toml): each worker is pinned
+to its own share of the cores, so llama.cpp's threads (``default_threads``: the cores a process may use), torch's
+and the CLI's subprocesses never contend for one core. ``-n 0`` runs it in one process, as a debugger wants.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -32,6 +37,17 @@ import pytest
 from policy import missing, under_ci
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config):
+    """Pin this xdist worker to its own share of the cores (see the module's docstring)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not (worker and count and hasattr(os, "sched_setaffinity")):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    i, n = int(worker.removeprefix("gw")), int(count)
+    share = cores[i * len(cores) // n:(i + 1) * len(cores) // n] or [cores[i % len(cores)]]
+    os.sched_setaffinity(0, share)
 
 
 def pulled(name: str) -> Path:
@@ -57,11 +73,14 @@ def stock_runtime() -> Path:
     from build import cache_dir
 
     target = cache_dir() / "stock-runtime"
-    if not (target / "llama_cpp").is_dir():
-        cmd = [sys.executable, str(REPO / "ggml_patches" / "build.py"), "--stock", str(target)]
-        if not under_ci() and os.environ.get("KVLOCAL_BUILD_STOCK") != "1":
-            pytest.skip(f"no unpatched runtime to compare with: run `{' '.join(cmd)}` (or set KVLOCAL_BUILD_STOCK=1)")
-        subprocess.run(cmd, check=True, timeout=3600)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / "stock-runtime.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build, however many workers need it
+        if not (target / "llama_cpp").is_dir():
+            cmd = [sys.executable, str(REPO / "ggml_patches" / "build.py"), "--stock", str(target)]
+            if not under_ci() and os.environ.get("KVLOCAL_BUILD_STOCK") != "1":
+                pytest.skip(f"no unpatched runtime to compare with: run `{' '.join(cmd)}` (or set KVLOCAL_BUILD_STOCK=1)")
+            subprocess.run(cmd, check=True, timeout=3600)
     return target
 
 

@@ -12,7 +12,7 @@ from conftest import assert_usage_error, run_cli
 
 def test_frontier_measures_every_configuration(smollm2, tmp_path):
     plot = tmp_path / "frontier.png"
-    r = run_cli("bench", str(smollm2), "--frontier", "--contexts", "300", "--decode", "2", "-t", "2",
+    r = run_cli("bench", str(smollm2), "--frontier", "--contexts", "300", "--decode", "2",
                 "--json", "--plot", str(plot))
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)["frontier"]
@@ -37,7 +37,7 @@ def test_overhead_compares_the_levers_side_by_side(smollm2):
     """``--overhead``: each --backends × --chunks × --observe-every run reads the same prompt; observing once in
     three decodes the probe for fewer of the same events (the prompt's last one always), on either backend."""
     r = run_cli("bench", str(smollm2), "--overhead", "--long", "700", "--budget", "100", "--chunks", "64",
-                "--observe-every", "1", "3", "--decode", "1", "-t", "2", "--json", "--backends", "native", "state")
+                "--observe-every", "1", "3", "--decode", "1", "--json", "--backends", "native", "state")
     assert r.returncode == 0, r.stderr
     full, *rows = json.loads(r.stdout)["overhead"]
     assert full["full"] and [(x["backend"], x["chunk"], x["observe_every"]) for x in rows] == [
@@ -55,7 +55,7 @@ def test_recall_cost_counts_the_question_and_the_answer_steps(smollm2):
     """``--recall-cost``: a document read with recall on, one question, then an answer whose first tokens
     re-select too; the seconds of both against the prefill, and what crossed. ``--step-confidence 1 0`` side by
     side: at 1 every step swaps, at 0 every step keeps its decode (no step time, no rows in after the question's)."""
-    r = run_cli("bench", str(smollm2), "--recall-cost", "--contexts", "600", "--backends", "state", "-t", "2", "--json",
+    r = run_cli("bench", str(smollm2), "--recall-cost", "--contexts", "600", "--backends", "state", "--json",
                 "--step-confidence", "1", "0")
     assert r.returncode == 0, r.stderr
     swapping, confident = json.loads(r.stdout)["recall"]
@@ -77,7 +77,7 @@ def test_backends_side_by_side_on_a_quantized_cache(smollm2):
     """`kvlocal bench --cache q8_0`: the full q8_0 cache against the method on it on both backends (patch 0016);
     native copies no K/V to the host, state reads the cache out and back at every event."""
     r = run_cli("bench", str(smollm2), "--long", "600", "--decode", "2", "--budget", "100", "--cache", "q8_0",
-                "--backends", "native", "state", "-t", "2", "--json")
+                "--backends", "native", "state", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     native, state = out["backends"]["native"], out["backends"]["state"]
@@ -86,7 +86,7 @@ def test_backends_side_by_side_on_a_quantized_cache(smollm2):
     assert native["run"]["kv_bytes_allocated"] == state["run"]["kv_bytes_allocated"] < out["full"]["kv_bytes_allocated"]
     assert native["host_kv_bytes"] == 0 < state["host_kv_bytes"]
     f16 = run_cli("bench", str(smollm2), "--long", "600", "--decode", "2", "--budget", "100", "--backends", "state",
-                  "-t", "2", "--json")
+                  "--json")
     assert json.loads(f16.stdout)["full"]["kv_bytes_allocated"] > out["full"]["kv_bytes_allocated"]  # q8_0: fewer bytes
     assert_usage_error(run_cli("bench", str(smollm2), "--cache", "q3_k"), "--cache")
     for mode in ("--frontier", "--recall-cost", "--overhead"):  # they run on f16: refused, not ignored

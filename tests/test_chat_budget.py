@@ -30,7 +30,7 @@ QUESTION = "What is my favourite colour?"
 
 
 def _chat(model: Model, method: str) -> tuple[str, Engine]:
-    eng = Engine(model, BUDGET, method=method, max_tokens=4096, n_threads=2)
+    eng = Engine(model, BUDGET, method=method, max_tokens=4096)
     chat = ChatSession(eng, Sampler())
     for turn in TURNS:
         "".join(chat.ask(turn, max_tokens=24))

@@ -108,7 +108,7 @@ def test_insert_and_score():
 def test_quick_eval_is_complete_sane_and_resumable(smollm2, tmp_path):
     out = tmp_path / "eval"
     # --quick's runs at one of its budgets (given options still apply): the suite's time, every code path
-    r = run_cli("eval", "--quick", "--budgets", "0.1", "--out", str(out), "-t", "2", timeout=600)
+    r = run_cli("eval", "--quick", "--budgets", "0.1", "--out", str(out), timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     specs = plan(QUICK["models"], QUICK["tasks"], QUICK["methods"], [0.1], ["question", "agnostic"], 0, QUICK["tokens"])
@@ -138,7 +138,7 @@ def test_quick_eval_is_complete_sane_and_resumable(smollm2, tmp_path):
     assert "| criticalkv | 0.1 | question |" in (out / "summary.md").read_text()
 
     before = (out / "results.jsonl").read_text()
-    again = run_cli("eval", "--quick", "--budgets", "0.1", "--out", str(out), "-t", "2", timeout=120)
+    again = run_cli("eval", "--quick", "--budgets", "0.1", "--out", str(out), timeout=120)
     assert again.returncode == 0, again.stderr[-2000:]
     assert (out / "results.jsonl").read_text() == before
     assert "0 runs in" in again.stderr and f"{len(specs)} already done" in again.stderr

@@ -345,7 +345,7 @@ FACTS = [  # six facts of different forms, each asked in a turn of its own after
 def ask_all(model: Model, doc: str, n_doc: int, **chat) -> list[bool]:
     import kvlocal
 
-    with kvlocal.Chat(model, ctx_size=n_doc + 800, n_threads=2, **chat) as c:  # room for the six turns
+    with kvlocal.Chat(model, ctx_size=n_doc + 800, **chat) as c:  # room for the six turns
         c.read(doc)
         return [want in "".join(c.send(q + " Answer with the number only.", max_tokens=10)) for _, q, want in FACTS]
 

@@ -71,3 +71,21 @@ def test_greedy_answer_from_the_default_model(smollm2_model):
         out.append(tok)
         logits = ctx.decode([tok])
     assert "Berlin" in m.detokenize(out)
+
+
+def test_threads_default_to_the_cores_this_process_may_use(smollm2_model):
+    """A process narrowed to one core (taskset, a cpuset, a pinned test worker) decodes with one thread."""
+    import os
+
+    from kvlocal.runtime.llama import default_threads
+
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(before)})
+        assert default_threads() == 1
+        ctx = Context(smollm2_model, n_ctx=64)
+        assert ctx.n_threads == 1
+        ctx.close()
+    finally:
+        os.sched_setaffinity(0, before)
+    assert default_threads() == min(len(before), 8)

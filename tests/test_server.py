@@ -105,7 +105,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(smollm2, tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("serve") / "stderr.txt", "--budget", "256", "--port", "0", "-t", "2")
+    s = Server(tmp_path_factory.mktemp("serve") / "stderr.txt", "--budget", "256", "--port", "0")
     assert s.health()["status"] == "ok"
     yield s
     s.stop()
@@ -385,7 +385,7 @@ def test_conversations_survive_a_restart(smollm2, tmp_path):
     the new message); a damaged file is skipped with a warning and that conversation is read fresh."""
     folder = tmp_path / "sessions"
     folder.mkdir()
-    args = ("--budget", "256", "--port", "0", "-t", "2", "--session-dir", str(folder))
+    args = ("--budget", "256", "--port", "0", "--session-dir", str(folder))
     prose = (REPO / "kvlocal/data/sample.txt").read_text()
     doc = [{"role": "user", "content": prose + "\n\nWho is speaking in the first dialogue of the text above?"}]
     server = Server(tmp_path / "first.txt", *args)
@@ -429,7 +429,7 @@ def test_a_full_disk_while_saving_is_a_warning(smollm2, tmp_path):
 
     folder = tmp_path / "sessions"
     folder.mkdir()
-    server = Server(tmp_path / "log.txt", "--budget", "256", "--port", "0", "-t", "2", "--session-dir", str(folder),
+    server = Server(tmp_path / "log.txt", "--budget", "256", "--port", "0", "--session-dir", str(folder),
                     preexec_fn=limit)
     try:
         assert "Berlin" in chat(server, GERMANY, max_tokens=16, temperature=0)["choices"][0]["message"]["content"]
@@ -482,7 +482,7 @@ def test_startup_usage_errors(server, tmp_path):
 
 
 def test_api_key(smollm2, tmp_path):
-    s = Server(tmp_path / "stderr.txt", "--budget", "256", "--port", "0", "--api-key", "sesame", "-t", "2")
+    s = Server(tmp_path / "stderr.txt", "--budget", "256", "--port", "0", "--api-key", "sesame")
     try:
         url = s.url + "/v1/chat/completions"
         body = {"messages": GERMANY, "max_tokens": 8}

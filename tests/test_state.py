@@ -43,7 +43,7 @@ def tokens(smollm2_model):
 
 
 def make_ctx(model, toks, n=N, n_ctx=128, **kw) -> Context:
-    ctx = Context(model, n_ctx=n_ctx, n_threads=2, **kw)
+    ctx = Context(model, n_ctx=n_ctx, **kw)
     ctx.decode(toks[:n], logits="none")
     return ctx
 

@@ -186,7 +186,7 @@ def pull_model(model: KnownModel, force: bool = False, quiet: bool = False) -> P
     if not force and _cached(model):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # two pulls at once each write their own
     try:
         with tempfile.TemporaryDirectory(prefix="kvlocal-pull-", dir=path.parent) as tmp, open(partial, "wb") as out:
             for i, part in enumerate(model.parts, 1):

@@ -27,7 +27,9 @@ _NO_PROGRESS = None
 
 
 def default_threads() -> int:
-    return max(1, min(os.cpu_count() or 1, 8))
+    """The cores this process may run on (a cpuset or ``taskset`` narrows them), at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, 8))
 
 
 class Model:

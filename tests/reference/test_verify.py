@@ -75,9 +75,9 @@ def test_gemma3_passes_and_fails_with_wrong_rope_base(gemma3, sample_text):
 
     ref, lm = Transformer.from_gguf(gemma3), Model(gemma3)
     tokens = lm.tokenize(sample_text)[:64]
-    good = verify.compare_models(ref, lm, tokens, n_threads=2)
+    good = verify.compare_models(ref, lm, tokens)
     assert good["passed"] and good["arch"] == "gemma3", good  # measured mean KL 0.005 over 256 tokens
-    bad = verify.compare_models(ref, lm, tokens, rope_freq_base=100.0, n_threads=2)
+    bad = verify.compare_models(ref, lm, tokens, rope_freq_base=100.0)
     assert not bad["passed"] and bad["mean_kl"] > 3 * good["tolerance"]["kl"], bad
 
 
