@@ -137,7 +137,7 @@ def model_sha256(path: Path) -> str:
     if tag not in known:
         known[tag] = sha256_file(path)
         index.parent.mkdir(parents=True, exist_ok=True)
-        tmp = index.with_suffix(".tmp")
+        tmp = index.with_suffix(f".{os.getpid()}.tmp")  # two processes at once (test workers) each write their own
         tmp.write_text(json.dumps(known, indent=1))
         os.replace(tmp, index)
     return known[tag]
