@@ -17,8 +17,9 @@
 #      backend, fully offloaded, against the full cache: milliseconds per compression event, TTFT with and
 #      without compression, decode tokens/s, KV bytes. STATE=1 adds the state backend (K/V over PCIe).
 # Needs: nvcc and cuBLAS (the CUDA toolkit), CMake, a C++ compiler, Python 3 with numpy, jinja2, tqdm and
-# pytest (a stock CUDA/PyTorch image has them); nothing is downloaded. Aimed at under 10 minutes on 16 cores
-# with FA=0, longer with the default FA=1; not yet timed: no GPU was available to this project.
+# pytest (a stock CUDA/PyTorch image has them; the tests run in one process, without pytest-xdist); nothing is
+# downloaded. Aimed at under 10 minutes on 16 cores with FA=0, longer with the default FA=1; not yet timed: no
+# GPU was available to this project.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -52,7 +53,7 @@ export PYTHONPATH="$repo:$work/site:$pack${PYTHONPATH:+:$PYTHONPATH}" LLAMA_CPP_
 "$py" -m kvlocal doctor
 
 step "2. native backend tests with the cache on the GPU"
-KVLOCAL_TEST_NGL=99 "$py" -m pytest -q -p no:cacheprovider tests/test_native.py -k "compact_moves or tiny_f32"
+KVLOCAL_TEST_NGL=99 "$py" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_native.py -k "compact_moves or tiny_f32"
 
 step "3. a random-weight GGUF of Llama-3-8B's shape"
 model="$work/random-llama3-8b.gguf"
