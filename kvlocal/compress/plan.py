@@ -271,7 +271,9 @@ class Plan:
             keep = self.keep[il]
             filled = keep >= 0
             idx = np.maximum(keep, 0)
-            ko, vo = kl[idx.T, heads.T], vl[idx.T, heads.T]  # gathered cell-major: [B, Hkv, d or bytes]
+            rows = (idx.T * hkv + heads.T).ravel()  # (cell, head) as a row of [n * Hkv, ...]: one take
+            ko = np.take(kl.reshape(-1, *kl.shape[2:]), rows, axis=0).reshape(width, hkv, *kl.shape[2:])
+            vo = np.take(vl.reshape(-1, *vl.shape[2:]), rows, axis=0).reshape(width, hkv, *vl.shape[2:])
             if dtype is not None:
                 ko = ko if k_codec else ko.astype(dtype, copy=False)
                 vo = vo if v_codec else vo.astype(dtype, copy=False)
