@@ -7,12 +7,14 @@ seed 11) — so its figures say how a choice was made, not how well kvlocal does
         [--cache f16|q8_0|q4_0] [--step-confidence 0.9] [--recall-steps 16]
 
 Prints per seed the facts found of 6, the answer steps (and how many kept their decode), their seconds, and
-each miss as (asked code, answer); then the total.
+each miss as (asked code, answer); then the total, and what the misses answered (the next fact's code in the
+document, the previous one's, another fact's, or none).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import random
 import time
 
@@ -59,16 +61,27 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     args = ap.parse_args()
     model = Model(resolve(args.model))
-    total = 0
+    total, kinds = 0, collections.Counter()
     for seed in args.seeds:
         t0 = time.perf_counter()
         results, s = chat(model, seed, args)
         found = sum(ok for ok, _, _ in results)
         total += found
+        kinds.update(miss_kind(results, i) for i, (ok, _, _) in enumerate(results) if not ok)
         print(f"seed {seed}: {found}/6  {time.perf_counter() - t0:.0f} s  steps {s.recall_steps} "
               f"(kept their decode {s.recall_steps_confident}, {s.recall_step_seconds:.1f} s)  misses "
               f"{[(code, answer) for ok, code, answer in results if not ok]}", flush=True)
-    print(f"total {total}/{6 * len(args.seeds)}")
+    print(f"total {total}/{6 * len(args.seeds)}; the misses answered {dict(kinds.most_common())}")
+
+
+def miss_kind(results, i: int) -> str:
+    """What the answer to fact ``i`` gave instead (facts are asked in the order the document holds them)."""
+    codes, answer = [code for _, code, _ in results], results[i][2]
+    if i + 1 < len(codes) and codes[i + 1] in answer:
+        return "the next fact's code"
+    if i > 0 and codes[i - 1] in answer:
+        return "the previous fact's code"
+    return "another fact's code" if any(c in answer for c in codes) else "no fact's code"
 
 
 if __name__ == "__main__":
