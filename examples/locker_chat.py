@@ -4,19 +4,24 @@ these facts are what recall was developed on — not the texts or seeds of the r
 seed 11) — so its figures say how a choice was made, not how well kvlocal does (docs/recall.md § Choices).
 
     .venv/bin/python examples/locker_chat.py [--model qwen2.5-coder-0.5b] [--budget 200] [--seeds 77 78 ...]
-        [--cache f16|q8_0|q4_0] [--step-confidence 0.9] [--recall-steps 16]
+        [--cache f16|q8_0|q4_0] [--step-confidence 0.9] [--recall-steps 16] [--rows]
 
 Prints per seed the facts found of 6, the answer steps (and how many kept their decode), their seconds, and
 each miss as (asked code, answer); then the total, and what the misses answered (the next fact's code in the
-document, the previous one's, another fact's, or none).
+document, the previous one's, another fact's, or none). ``--rows``: for found and missed facts, the share of
+the asked name's rows, its code's and the next fact's code's on the device after the question's swap and after
+the answer.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import random
 import time
+
+import numpy as np
 
 import kvlocal
 from kvlocal.engine import RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS
@@ -42,11 +47,63 @@ def chat(model: Model, seed: int, args):
         c.engine.recall_step_confidence = args.step_confidence
         c.engine.recall_step_every = args.step_every
         c.read(doc)
-        for name, code in zip(names, codes):
+        if args.rows:
+            where = fact_positions(model, c.session.t.fed_text, facts, names, codes)  # the document went in first
+            after_question = watch_recall(c.engine)
+        for i, (name, code) in enumerate(zip(names, codes)):
             answer = "".join(c.send(f"What number does the locker of {name} hold? Answer with the number only.",
                                     max_tokens=10)).strip()
             out.append((code in answer, code, answer))
+            if args.rows:  # the asked fact's name and code rows, and the next fact's code rows, on the device
+                shares = [held(state, p) for state in (after_question[0], on_device(c.engine))
+                          for p in (*where[i], where[i + 1][1] if i + 1 < len(where) else set())]
+                ROWS.append((code in answer, shares))
         return out, c.engine.stats
+
+
+ROWS: list = []  # --rows: (found, shares) per fact asked
+
+
+def fact_positions(model: Model, fed_text: str, facts, names, codes) -> list[tuple[set, set]]:
+    """Per fact, the positions of its name's tokens and of its code's tokens in the chat's first ``fed_text``."""
+    pieces = [model.detokenize([t]) for t in model.tokenize(fed_text, add_special=True, parse_special=True)]
+    ends = list(itertools.accumulate(len(x) for x in pieces))
+    text = "".join(pieces)
+
+    def covering(a: int, b: int) -> set:  # the tokens whose text overlaps text[a:b]
+        return {p for p, (end, x) in enumerate(zip(ends, pieces)) if end > a and end - len(x) < b}
+
+    out = []
+    for fact, name, code in zip(facts, names, codes):
+        at = text.index(fact)
+        n, c = at + fact.index(name), at + fact.index(code)
+        out.append((covering(n, n + len(name)), covering(c, c + len(code))))
+    return out
+
+
+def on_device(engine) -> list[set]:
+    """The positions each (layer, KV head) holds now."""
+    true = engine.kv.read().true
+    return [set(row[row >= 0].tolist()) for row in true.reshape(-1, true.shape[-1])]
+
+
+def watch_recall(engine) -> list:
+    """A one-item list that holds :func:`on_device` right after each question's swap (``Engine.recall``)."""
+    seen = [None]
+    recall = engine.recall
+
+    def wrapped(*a, **kw):
+        moved = recall(*a, **kw)
+        seen[0] = on_device(engine)
+        return moved
+
+    engine.recall = wrapped
+    return seen
+
+
+def held(state: list[set], positions: set) -> float:
+    """The mean over (layer, KV head) of the share of ``positions`` on the device."""
+    return float(np.mean([len(positions & s) / len(positions) for s in state])) if positions else float("nan")
 
 
 def main() -> None:
@@ -59,6 +116,7 @@ def main() -> None:
     ap.add_argument("--recall-steps", type=int, default=RECALL_STEPS)
     ap.add_argument("--step-every", type=int, default=RECALL_STEP_EVERY)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--rows", action="store_true", help="also: which rows of the asked fact are on the device")
     args = ap.parse_args()
     model = Model(resolve(args.model))
     total, kinds = 0, collections.Counter()
@@ -72,6 +130,14 @@ def main() -> None:
               f"(kept their decode {s.recall_steps_confident}, {s.recall_step_seconds:.1f} s)  misses "
               f"{[(code, answer) for ok, code, answer in results if not ok]}", flush=True)
     print(f"total {total}/{6 * len(args.seeds)}; the misses answered {dict(kinds.most_common())}")
+    if args.rows:
+        print("share of rows on the device (mean over layers and KV heads): after the question's swap, then after "
+              "the answer — the asked name, its code, the next fact's code")
+        for found in (True, False):
+            shares = np.array([sh for f, sh in ROWS if f == found], dtype=float)
+            if len(shares):
+                means = "  ".join(f"{v:.2f}" for v in np.nanmean(shares, axis=0))
+                print(f"  {'found' if found else 'missed'} ({len(shares)}): {means}")
 
 
 def miss_kind(results, i: int) -> str:
