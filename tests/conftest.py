@@ -19,7 +19,8 @@ The policy — every test file follows it:
 
 The suite runs on every core in parallel (pytest-xdist, ``-n auto`` in pyproject.toml): each worker is pinned
 to its own share of the cores, so llama.cpp's threads (``default_threads``: the cores a process may use), torch's
-and the CLI's subprocesses never contend for one core. ``-n 0`` runs it in one process, as a debugger wants.
+and the CLI's subprocesses never contend for one core; where the OS cannot pin (macOS) it runs in one process.
+``-n 0`` runs it in one process, as a debugger wants.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ import pytest
 from policy import missing, under_ci
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: a worker per core where workers can be pinned; where they cannot (macOS), one process — unpinned
+    workers would each run llama.cpp with a thread per core, and their spinning thread pools slow each other."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else 0
 
 
 def pytest_configure(config):
