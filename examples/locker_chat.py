@@ -101,9 +101,9 @@ def watch_recall(engine) -> list:
     return seen
 
 
-def held(state: list[set], positions: set) -> float:
-    """The mean over (layer, KV head) of the share of ``positions`` on the device."""
-    return float(np.mean([len(positions & s) / len(positions) for s in state])) if positions else float("nan")
+def held(state: list[set], positions: set) -> np.ndarray:
+    """Per (layer, KV head), the share of ``positions`` on the device (NaN: no positions)."""
+    return np.array([len(positions & s) / len(positions) if positions else np.nan for s in state])
 
 
 def main() -> None:
@@ -119,6 +119,7 @@ def main() -> None:
     ap.add_argument("--rows", action="store_true", help="also: which rows of the asked fact are on the device")
     args = ap.parse_args()
     model = Model(resolve(args.model))
+    args.n_head_kv = model.n_head_kv
     total, kinds = 0, collections.Counter()
     for seed in args.seeds:
         t0 = time.perf_counter()
@@ -134,10 +135,17 @@ def main() -> None:
         print("share of rows on the device (mean over layers and KV heads): after the question's swap, then after "
               "the answer — the asked name, its code, the next fact's code")
         for found in (True, False):
-            shares = np.array([sh for f, sh in ROWS if f == found], dtype=float)
+            shares = np.array([sh for f, sh in ROWS if f == found], dtype=float)  # [facts, 6, layers * heads]
             if len(shares):
-                means = "  ".join(f"{v:.2f}" for v in np.nanmean(shares, axis=0))
+                means = "  ".join(f"{v:.2f}" for v in np.nanmean(shares, axis=(0, 2)))
                 print(f"  {'found' if found else 'missed'} ({len(shares)}): {means}")
+        code = {f: np.nanmean([sh[1] for ok, sh in ROWS if ok == f], axis=0) for f in (True, False)}
+        if not any(np.isnan(c).all() for c in code.values()):  # per (layer, KV head): the asked code after the question
+            heads = np.argsort(code[False] - code[True])[:5]
+            n_kv = args.n_head_kv
+            print("  the (layer, KV head)s whose share of the asked code after the question parts found from missed "
+                  "facts most: " + ", ".join(f"({h // n_kv}, {h % n_kv}) {code[True][h]:.2f} vs {code[False][h]:.2f}"
+                                           for h in heads))
 
 
 def miss_kind(results, i: int) -> str:
