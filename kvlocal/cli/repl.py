@@ -167,8 +167,9 @@ class Repl:
             ("compression", f"{s.compression_events} events, {e.compression_seconds:.2f} s"
                             + "".join(f", {k} {v:.2f} s" for k, v in e.compression_breakdown.items())
                             + f"; {e.backend} backend, {e.host_kv_bytes / mib:,.1f} MiB of K/V copied to the host"),
-            ("recall", (f"tier {e.host_tier_bytes / mib:,.1f} MiB of host memory, {e.recall_rows_out:,} rows out, "
-                        f"{e.recall_rows_in:,} brought back by {e.recall_events} questions ({e.recall_seconds:.2f} s) "
+            ("recall", (f"tier {e.host_tier_bytes / mib:,.1f} MiB of host memory, {e.recall_rows_out:,} rows stored, "
+                        f"{e.recall_rows_in:,} brought back (a row may come back often) "
+                        f"by {e.recall_events} questions ({e.recall_seconds:.2f} s) "
                         f"and {e.recall_steps - e.recall_steps_confident} of {e.recall_steps} answer tokens "
                         f"({e.recall_step_seconds:.2f} s; the others' decodes were sure)"
                         + (f", {e.recall_dropped_rows:,} dropped (--recall-mem)" if e.recall_dropped_rows else ""))
