@@ -34,14 +34,14 @@ NAMES = ["Alder", "Birch", "Cedar", "Hazel", "Maple", "Rowan", "Willow", "Aspen"
 
 def chat(model: Model, seed: int, args):
     """One chat: the document read, then each locker asked for in turn. Returns ``(found, code, answer)`` per
-    fact and the engine's stats."""
+    fact, the engine's stats and (``--rows``) ``(found, shares)`` per fact, shares ``[6, layers × KV heads]``."""
     rng = random.Random(seed)
     names = rng.sample(NAMES, 6)
     codes = [str(rng.randint(10000, 99999)) for _ in names]
     prose = Prose(lambda s: len(model.tokenize(s, add_special=False)))
     facts = [f"The locker of {n} holds the number {c}." for n, c in zip(names, codes)]
     doc = insert_at(prose.take(2000, rng), [((i + 0.5) / 6, f) for i, f in enumerate(facts)])
-    out = []
+    out, rows = [], []
     with kvlocal.Chat(model, ctx_size=len(model.tokenize(doc)) + 1200, budget=args.budget, n_threads=args.threads,
                       cache_type_k=args.cache, cache_type_v=args.cache, recall_steps=args.recall_steps) as c:
         c.engine.recall_step_confidence = args.step_confidence
@@ -57,11 +57,8 @@ def chat(model: Model, seed: int, args):
             if args.rows:  # the asked fact's name and code rows, and the next fact's code rows, on the device
                 shares = [held(state, p) for state in (after_question[0], on_device(c.engine))
                           for p in (*where[i], where[i + 1][1] if i + 1 < len(where) else set())]
-                ROWS.append((code in answer, shares))
-        return out, c.engine.stats
-
-
-ROWS: list = []  # --rows: (found, shares) per fact asked
+                rows.append((code in answer, shares))
+        return out, c.engine.stats, rows
 
 
 def fact_positions(model: Model, fed_text: str, facts, names, codes) -> list[tuple[set, set]]:
@@ -119,11 +116,11 @@ def main() -> None:
     ap.add_argument("--rows", action="store_true", help="also: which rows of the asked fact are on the device")
     args = ap.parse_args()
     model = Model(resolve(args.model))
-    args.n_head_kv = model.n_head_kv
-    total, kinds = 0, collections.Counter()
+    total, kinds, rows = 0, collections.Counter(), []
     for seed in args.seeds:
         t0 = time.perf_counter()
-        results, s = chat(model, seed, args)
+        results, s, seed_rows = chat(model, seed, args)
+        rows += seed_rows
         found = sum(ok for ok, _, _ in results)
         total += found
         kinds.update(miss_kind(results, i) for i, (ok, _, _) in enumerate(results) if not ok)
@@ -135,14 +132,14 @@ def main() -> None:
         print("share of rows on the device (mean over layers and KV heads): after the question's swap, then after "
               "the answer — the asked name, its code, the next fact's code")
         for found in (True, False):
-            shares = np.array([sh for f, sh in ROWS if f == found], dtype=float)  # [facts, 6, layers * heads]
+            shares = np.array([sh for f, sh in rows if f == found], dtype=float)  # [facts, 6, layers * heads]
             if len(shares):
                 means = "  ".join(f"{v:.2f}" for v in np.nanmean(shares, axis=(0, 2)))
                 print(f"  {'found' if found else 'missed'} ({len(shares)}): {means}")
-        code = {f: np.nanmean([sh[1] for ok, sh in ROWS if ok == f], axis=0) for f in (True, False)}
-        if not any(np.isnan(c).all() for c in code.values()):  # per (layer, KV head): the asked code after the question
-            heads = np.argsort(code[False] - code[True])[:5]
-            n_kv = args.n_head_kv
+        code = {f: [sh[1] for ok, sh in rows if ok == f] for f in (True, False)}
+        if all(code.values()):  # per (layer, KV head): the share of the asked code after the question
+            code = {f: np.nanmean(c, axis=0) for f, c in code.items()}
+            heads, n_kv = np.argsort(code[False] - code[True])[:5], model.n_head_kv
             print("  the (layer, KV head)s whose share of the asked code after the question parts found from missed "
                   "facts most: " + ", ".join(f"({h // n_kv}, {h % n_kv}) {code[True][h]:.2f} vs {code[False][h]:.2f}"
                                            for h in heads))

