@@ -12,7 +12,7 @@ import pytest
 from conftest import run_cli
 from kvlocal.eval.command import QUICK
 from kvlocal.eval.runner import plan
-from kvlocal.eval.tasks import TASKS, Item, Prose, insert_at, make_items, score, sentences
+from kvlocal.eval.tasks import LONG_TEXTS, TASKS, TEXTS, Item, Prose, insert_at, make_items, score, sentences
 
 
 def _prose() -> Prose:
@@ -30,11 +30,19 @@ def test_tasks_are_seeded_and_hold_their_answers():
                 assert e in " ".join(item.document.split()), (task, item.name, e)
 
 
+def test_a_document_longer_than_the_short_texts_reads_on_into_the_long_ones():
+    short = sum(len(s.split()) for s in sentences(TEXTS))
+    doc = " ".join(_prose().take(short, random.Random(0)))  # all of the short texts, once
+    assert len(doc.split()) >= short and "Kellynch" not in doc
+    doc = " ".join(_prose().take(short + 100, random.Random(0)))
+    assert len(doc.split()) >= short + 100 and doc.count("GNU GENERAL PUBLIC LICENSE") <= 1
+    assert any(s in doc for s in sentences(LONG_TEXTS) if s not in sentences(TEXTS))
+
+
 def test_a_document_longer_than_the_shipped_texts_is_a_usage_error():
     from kvlocal.errors import UsageError
 
-    words = sum(len(s.split()) for s in sentences())
-    assert len(" ".join(_prose().take(words - 100, random.Random(0))).split()) >= words - 100  # all of it, once
+    words = sum(len(s.split()) for s in sentences(LONG_TEXTS))
     with pytest.raises(UsageError, match=f"{words:,} tokens for this model's tokenizer.*give fewer --tokens"):
         _prose().take(words + 100, random.Random(0))  # never by repeating the texts
 

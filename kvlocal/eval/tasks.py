@@ -2,7 +2,8 @@
 
 Every task turns (model, context length, seed) into a few :class:`Item`s: a prompt of about
 ``n_tokens`` tokens of real prose (the texts the package ships: the openings of *Pride and Prejudice*
-and *A Tale of Two Cities*, and the GPL-3 text), the question at its end, and how an answer is scored.
+and *A Tale of Two Cities*, and the GPL-3 text; a document longer than those draws on the first volume
+of *Persuasion* too), the question at its end, and how an answer is scored.
 The same seed gives the same items on every machine; different seeds start the text elsewhere and draw
 other keys, names and depths.
 
@@ -23,6 +24,7 @@ from typing import Callable
 from kvlocal.errors import UsageError
 
 TEXTS = ("data/sample.txt", "data/gpl-3.0.txt")
+LONG_TEXTS = TEXTS + ("data/persuasion-1.txt",)  # for documents the short texts cannot hold (~8K tokens)
 
 def sample_text() -> str:
     """A few paragraphs of public-domain English prose shipped with kvlocal (Austen, Melville, Dickens)."""
@@ -53,12 +55,12 @@ class Item:
 
 # -- real text ------------------------------------------------------------------------------------------
 
-@lru_cache(maxsize=1)
-def sentences() -> tuple[str, ...]:
-    """The shipped texts as one cyclic sequence of sentences (a paragraph break is kept as a leading
-    newline pair of the next sentence, so joining them gives back readable prose)."""
+@lru_cache(maxsize=2)
+def sentences(texts: tuple[str, ...] = TEXTS) -> tuple[str, ...]:
+    """The texts as one cyclic sequence of sentences (a paragraph break is kept as a leading newline pair
+    of the next sentence, so joining them gives back readable prose)."""
     out = []
-    for name in TEXTS:
+    for name in texts:
         text = resources.files("kvlocal").joinpath(name).read_text()
         for para in re.split(r"\n\s*\n", text):
             words = " ".join(para.split())
@@ -72,13 +74,18 @@ def sentences() -> tuple[str, ...]:
 
 class Prose:
     """Real sentences for a model's tokenizer: :meth:`take` gives consecutive sentences from a seeded
-    start that add up to about ``n_tokens`` tokens."""
+    start that add up to about ``n_tokens`` tokens — from the short texts wherever they hold that many
+    (so every document of an earlier release is drawn the same), else from the long ones."""
 
     def __init__(self, count_tokens: Callable[[str], int]):
         self.count = lru_cache(maxsize=None)(count_tokens)
 
+    def pool(self, n_tokens: int) -> tuple[str, ...]:
+        short = sentences(TEXTS)
+        return short if n_tokens <= sum(self.count(s) for s in short) else sentences(LONG_TEXTS)
+
     def take(self, n_tokens: int, rng: random.Random) -> list[str]:
-        pool = sentences()
+        pool = self.pool(n_tokens)
         i, out, total = rng.randrange(len(pool)), [], 0
         while total < n_tokens:
             s = pool[i % len(pool)]
