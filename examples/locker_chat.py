@@ -4,7 +4,7 @@ these facts are what recall was developed on — not the texts or seeds of the r
 seed 11) — so its figures say how a choice was made, not how well kvlocal does (docs/recall.md § Choices).
 
     .venv/bin/python examples/locker_chat.py [--model qwen2.5-coder-0.5b] [--budget 200] [--seeds 77 78 ...]
-        [--cache f16|q8_0|q4_0] [--step-confidence 0.9] [--recall-steps 16] [--rows]
+        [--cache f16|q8_0|q4_0] [--step-confidence 0.9] [--recall-steps 16] [--room 64] [--rows]
 
 Prints per seed the facts found of 6, the answer steps (and how many kept their decode), their seconds, and
 each miss as (asked code, answer); then the total, and what the misses answered (the next fact's code in the
@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 import kvlocal
-from kvlocal.engine import RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS
+from kvlocal.engine import RECALL_ROOM, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS
 from kvlocal.eval.tasks import Prose, insert_at
 from kvlocal.models import resolve
 from kvlocal.runtime import Model
@@ -46,6 +46,7 @@ def chat(model: Model, seed: int, args):
                       cache_type_k=args.cache, cache_type_v=args.cache, recall_steps=args.recall_steps) as c:
         c.engine.recall_step_confidence = args.step_confidence
         c.engine.recall_step_every = args.step_every
+        c.engine.recall_room = args.room
         c.read(doc)
         if args.rows:
             where = fact_positions(model, c.session.t.fed_text, facts, names, codes)  # the document went in first
@@ -112,6 +113,8 @@ def main() -> None:
     ap.add_argument("--step-confidence", type=float, default=RECALL_STEP_CONFIDENCE)
     ap.add_argument("--recall-steps", type=int, default=RECALL_STEPS)
     ap.add_argument("--step-every", type=int, default=RECALL_STEP_EVERY)
+    ap.add_argument("--room", type=int, default=RECALL_ROOM,
+                    help="cells a question's re-selection leaves for the answer (0: it keeps the budget's rows)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--rows", action="store_true", help="also: which rows of the asked fact are on the device")
     args = ap.parse_args()

@@ -53,7 +53,8 @@ def test_overhead_compares_the_levers_side_by_side(smollm2):
 
 def test_recall_cost_counts_the_question_and_the_answer_steps(smollm2):
     """``--recall-cost``: a document read with recall on, one question, then an answer whose first tokens
-    re-select too; the seconds of both against the prefill, and what crossed. ``--step-confidence 1 0`` side by
+    re-select too and that goes on past the room the question left it; the seconds of all three against the prefill,
+    and what crossed. ``--step-confidence 1 0`` side by
     side: at 1 every step swaps, at 0 every step keeps its decode (no step time, no rows in after the question's)."""
     r = run_cli("bench", str(smollm2), "--recall-cost", "--contexts", "600", "--backends", "state", "--json",
                 "--step-confidence", "1", "0")
@@ -61,7 +62,10 @@ def test_recall_cost_counts_the_question_and_the_answer_steps(smollm2):
     swapping, confident = json.loads(r.stdout)["recall"]
     for row in (swapping, confident):
         assert row["tokens"] == 600 and row["backend"] == "state" and row["compression_events"] > 0
-        assert 0 < row["steps"] <= row["answer_tokens"] <= 16  # an end-of-generation token is not a step
+        assert 0 < row["steps"] <= 16 < row["answer_tokens"]  # an end-of-generation token is not a step
+        # the question left the answer 64 cells past the rows it brought back; the answer outgrew them and a
+        # compression returned the cache to the budget: counted in the turn's cost
+        assert row["answer_tokens"] > 64 and row["back_seconds"] > 0
         assert row["question_seconds"] > 0 and row["prefill_seconds"] > 0
         assert row["rows_in"] > 0 and row["candidates"] > 0 and row["host_tier_bytes"] > 0
     assert (swapping["step_confidence"], confident["step_confidence"]) == (1, 0)

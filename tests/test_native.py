@@ -101,6 +101,42 @@ def test_compact_moves_each_heads_rows_on_the_device(tiny, fa, cache):
         assert np.isfinite(ctx.decode([5], [1000 + b], "last")).all()
 
 
+@FA
+def test_compact_gives_a_sequence_free_cells(tiny, fa):
+    """Patch 0018: more slots than the sequence holds take the lowest free cells (here the hole's, then the
+    unused tail's), in index order with its own, so slot j is its j-th cell; their rows come by ``set_rows``."""
+    model = Model(tiny["llama"], n_gpu_layers=NGL)
+    ctx = filled_context(model, fa)
+    before = read_seq(ctx).copy()
+    n, n_layer, hkv, b = before.n, len(model.arch.full_layers), model.n_head_kv, 400
+    cells_before = ctx.cells()[0]
+    rng = np.random.default_rng(2)
+    src = np.full((n_layer, hkv, b), -1, np.int32)
+    src[:, :, :n] = np.stack([np.stack([rng.permutation(n) for _ in range(hkv)]) for _ in range(n_layer)])
+    ctx.compact(src, np.arange(1000, 1000 + b))
+    cells, pos = ctx.cells()
+    free = np.setdiff1d(np.arange(512), cells_before)[:b - n]
+    assert np.array_equal(cells, np.sort(np.concatenate([cells_before, free])))
+    assert np.array_equal(pos, np.arange(1000, 1000 + b))
+    # the new slots' rows: a head's row of an old cell, written from the host
+    row_k, row_v = before.k[0][0, 0].nbytes, before.v[0][0, 0].nbytes
+    new_slots = np.arange(n, b)
+    for il in range(n_layer):
+        for h in range(hkv):
+            k, v = ctx.get_rows(il, src[il, h, :len(new_slots)], np.full(len(new_slots), h), row_k, row_v)
+            ctx.set_rows(il, new_slots, np.full(len(new_slots), h), k, v)
+    after = read_seq(ctx)
+    for il in range(n_layer):
+        for h in range(hkv):
+            for name in ("k", "v"):
+                got, was = getattr(after, name)[il][:, h], getattr(before, name)[il][:, h]
+                assert np.array_equal(got[:n], was[src[il, h, :n]]), (name, il, h)  # bit-exact moves
+                assert np.array_equal(got[n:], got[src[il, h, :b - n]]), (name, il, h)  # and writes
+    assert np.isfinite(ctx.decode([5], [1000 + b], "last")).all()
+    with pytest.raises(ValueError, match="invalid"):  # more slots than the cache has cells
+        ctx.compact(np.full((n_layer, hkv, 513), -1, np.int32), np.arange(513))
+
+
 def test_compact_refuses_bad_indices(smollm2_model):
     ctx = filled_context(smollm2_model, False)
     n_layer, hkv = len(smollm2_model.arch.full_layers), smollm2_model.n_head_kv
@@ -384,6 +420,7 @@ def test_native_and_state_recall_the_same_rows(tiny, arch):
         engines[backend] = eng, back
     (native, back_n), (state, back_s) = engines["native"], engines["state"]
     assert native.backend == "native" and back_n == back_s > 0
+    flags_apart = 0
     for a, b in zip(native.tier.heads, state.tier.heads):
         for sa, sb in zip(a, b):
             # the same rows, by position (Gemma 3: a near-tie at an answer step, one token's query, let one row
@@ -392,12 +429,17 @@ def test_native_and_state_recall_the_same_rows(tiny, arch):
             assert sa.n == sb.n and np.array_equal(sa.pos[ia], sb.pos[ib])
             if arch == "llama":
                 assert np.array_equal(sa.pos[:sa.n], sb.pos[:sb.n])  # in the same order, event by event
-            assert np.array_equal(sa.on_device[ia], sb.on_device[ib])
+            flags_apart += int((sa.on_device[ia] != sb.on_device[ib]).sum())
             for x, y in zip(sa.rows(ia), sb.rows(ib)):
                 # Gemma 3: the two backends leave the sliding cache's cells in another order, so later
                 # tokens' K/V differ by summation order (up to ~1e-2 here); Llama's are bit-exact
                 np.testing.assert_allclose(x, y, rtol=0, atol=0 if arch == "llama" else 2e-2)
-    assert np.array_equal(native.last_plan.positions, state.last_plan.positions)
+    # which rows are on the device: the same on Llama; on Gemma 3 the last answer step's near-tie swapped one row
+    # for another in one head on one backend (2 flags apart, measured; the replies equal)
+    assert flags_apart <= (0 if arch == "llama" else 2), flags_apart
+    pa, pb = native.last_plan.positions, state.last_plan.positions
+    assert pa.shape == pb.shape and (arch != "llama" or np.array_equal(pa, pb))
+    assert sum(len(set(x) ^ set(y)) for x, y in zip(pa.reshape(-1, pa.shape[-1]), pb.reshape(-1, pb.shape[-1]))) == flags_apart
     assert native.reply == state.reply
     # native copies exactly the rows that move, as the tier counts them: at the prefill's events the rows that
     # left, at the question those plus the rows that came back; state reads and writes back the whole cache

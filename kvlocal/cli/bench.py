@@ -15,8 +15,8 @@ figure of KV bytes, TTFT and decode speed against the context).
 
 ``--recall-cost`` measures the recall tier instead, per document length (``--contexts``) and backend: the
 document is read with recall on, then one question re-selects the cache (:meth:`kvlocal.engine.Engine.recall`) and
-so do the first ``RECALL_STEPS`` tokens of its answer; their seconds (the probe decodes included) as a share of the
-document's prefill (target <= 3%), the rows that crossed, and the host tier's bytes next to the device's KV bytes.
+so do the first ``RECALL_STEPS`` tokens of its answer, which goes on until the compression that returns the cache to
+the budget; their seconds (the probe decodes included) as a share of the document's prefill (target <= 3%), the rows that crossed, and the host tier's bytes next to the device's KV bytes.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import time
 from importlib import resources
 
-from kvlocal.engine import RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS, Budget, Engine
+from kvlocal.engine import RECALL_ROOM, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS, Budget, Engine
 from kvlocal.errors import UsageError
 from kvlocal.runtime import CACHE_TYPES, Model, cache_type, resolve_backend
 
@@ -263,25 +263,27 @@ def run_recall_cost(args, model: Model) -> int:
     backends = args.backends or default_backends()
     texts = {n: long_text(model, n) for n in args.contexts}  # one document per length, read by every run of it
     runs = itertools.product(args.contexts, backends, args.step_confidence, args.step_every)
+    n_answer = RECALL_STEPS + RECALL_ROOM + 1  # past the answer's room: the compression back to the budget
     for n, backend, confidence, every in runs:
         tokens = texts[n]
-        print(f"reading {n:,} tokens with recall on ({backend} backend), then one question and {RECALL_STEPS} "
+        print(f"reading {n:,} tokens with recall on ({backend} backend), then one question and {n_answer} "
               f"tokens of its answer (step confidence {confidence:g}, a swap at most every {every} steps)",
               file=sys.stderr, flush=True)
-        eng = Engine(model, Budget.parse(args.budget), args.method, max_tokens=n + len(question) + RECALL_STEPS + 8,
+        eng = Engine(model, Budget.parse(args.budget), args.method, max_tokens=n + len(question) + n_answer + 8,
                      n_threads=args.threads, recall=True, backend=backend, recall_step_confidence=confidence,
                      recall_step_every=every)
         eng.prefill(tokens)  # a document read before any question: the generic probe
         s = eng.stats
-        out0, in0, copied0 = s.recall_rows_out, s.recall_rows_in, eng.kv.host_kv_bytes
+        out0, in0, copied0, comp0 = s.recall_rows_out, s.recall_rows_in, eng.kv.host_kv_bytes, s.compression_seconds
         eng.append(question, probe=question, recall=True)
         decode0 = s.decode_seconds
-        answer = len(list(eng.generate(RECALL_STEPS, stop_at_eog=False)))
-        seconds = s.recall_seconds + s.recall_step_seconds
+        answer = len(list(eng.generate(n_answer, stop_at_eog=False)))
+        back = s.compression_seconds - comp0  # the turn's compressions (back to the budget as the answer outgrows its room)
+        seconds = s.recall_seconds + s.recall_step_seconds + back
         rows.append(dict(tokens=n, backend=backend, step_confidence=confidence, step_every=every,
                          prefill_seconds=s.prefill_seconds,
                          question_seconds=s.recall_seconds, steps=s.recall_steps, step_seconds=s.recall_step_seconds,
-                         confident_steps=s.recall_steps_confident,
+                         confident_steps=s.recall_steps_confident, back_seconds=back,
                          answer_tokens=answer, answer_seconds=s.decode_seconds - decode0, recall_seconds=seconds,
                          share=seconds / s.prefill_seconds, rows_in=s.recall_rows_in - in0,
                          rows_out=s.recall_rows_out - out0, candidates=s.recall_candidates,
@@ -289,20 +291,20 @@ def run_recall_cost(args, model: Model) -> int:
                          host_tier_bytes=s.host_tier_bytes, kv_bytes_allocated=s.kv_bytes_allocated,
                          budget_cells=s.budget_cells, compression_events=s.compression_events))
         eng.tier.close()
-    if _json_or_title(args, model, "recall", rows, f"one question after the document, {RECALL_STEPS} answer tokens"):
+    if _json_or_title(args, model, "recall", rows, f"one question after the document, {RECALL_STEPS + RECALL_ROOM + 1} answer tokens"):
         return 0
     mib = 2**20
-    print(f"{'tokens':>8} {'backend':>8} {'budget':>7} {'conf':>5} {'every':>5} {'prefill s':>10} {'question s':>11} {'steps':>6} {'sure':>5} {'steps s':>8} "
+    print(f"{'tokens':>8} {'backend':>8} {'budget':>7} {'conf':>5} {'every':>5} {'prefill s':>10} {'question s':>11} {'steps':>6} {'sure':>5} {'steps s':>8} {'back s':>7} "
           f"{'share':>7} {'scored':>8} {'rows in':>8} {'rows out':>9} {'tier MiB':>9} {'KV MiB':>7} {'copied MiB':>11}"
           f"   target: share <= 3%")
     for r in rows:
         print(f"{r['tokens']:>8,} {r['backend']:>8} {r['budget_cells']:>7,} {r['step_confidence']:>5g} {r['step_every']:>5} {r['prefill_seconds']:>10.1f} "
-              f"{r['question_seconds']:>11.2f} {r['steps']:>6} {r['confident_steps']:>5} {r['step_seconds']:>8.2f} {100 * r['share']:>6.2f}% "
+              f"{r['question_seconds']:>11.2f} {r['steps']:>6} {r['confident_steps']:>5} {r['step_seconds']:>8.2f} {r['back_seconds']:>7.2f} {100 * r['share']:>6.2f}% "
               f"{r['candidates']:>8,} {r['rows_in']:>8,} {r['rows_out']:>9,} {r['host_tier_bytes'] / mib:>9.1f} "
               f"{r['kv_bytes_allocated'] / mib:>7.1f} {r['recall_host_kv_bytes'] / mib:>11.1f}")
     print("conf: --step-confidence; every: --step-every; question s: the question's re-selection (its probe decode included); steps: the "
           "answer's tokens that re-selected with their own query (sure: of them, those whose decode predicted the next "
-          "token above conf, or came fewer than every steps after the last swap, and was kept: no swap, their time is decoding's); steps s: the others' time; share: both, of the prefill; copied: K/V bytes they moved between "
+          "token above conf, or came fewer than every steps after the last swap, and was kept: no swap, their time is decoding's); steps s: the others' time; back s: the turn's compressions (the answer's, back to the budget once it outgrows the room the question left it); share: the three, of the prefill; copied: K/V bytes they moved between "
           "llama.cpp and the host (state: the cache out and back each time; native: only the rows brought back in "
           "and the evicted rows out)")
     return 0

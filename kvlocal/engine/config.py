@@ -130,6 +130,10 @@ RECALL_STEP_CONFIDENCE = 0.9
 # an answer step may swap only when it is this many steps past the last swap (the ones between keep their decode and
 # hold their query for it, as confident ones do); 1: any step may swap
 RECALL_STEP_EVERY = 1
+# the cells a question's re-selection leaves free for its answer: the rest of the context's headroom (the cells prefill
+# chunks fill) holds recalled rows while the answer's first tokens are written, then a compression returns to the
+# budget (docs/recall.md § Choices). 0 turns it off: a re-selection keeps the budget's rows
+RECALL_ROOM = 64
 
 
 def step_keeps(held: int, every: int, confidence: float):

@@ -23,7 +23,8 @@ backend keeps each row's true source position (its ``RowRecord``) and the scorer
 
 The recall tier (``recall=``; :mod:`kvlocal.recall`): the rows an event evicts go to host memory, and a later
 question (``append(..., recall=True)``, :meth:`Engine.recall`) scores the device cells and the tier's best pages
-together and swaps rows in and out, inside the same budget.
+together and swaps rows in and out, inside the same cells: while the question is answered the rows fill the
+context's headroom too (the cells prefill chunks use), and the answer's first compression returns to the budget.
 
 Models with interleaved sliding-window attention (Gemma 3) keep two caches in llama.cpp: the sliding layers'
 cache is bounded by the window already, and llama.cpp keeps it; kvlocal compresses the full-attention layers'
@@ -56,7 +57,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, observation_window, plan_layers
-from kvlocal.engine.config import OBSERVE_EVERY, PLAN_WORKERS, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_recall, step_keeps
+from kvlocal.engine.config import OBSERVE_EVERY, PLAN_WORKERS, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_ROOM, RECALL_STEP_EVERY, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_recall, step_keeps
 from kvlocal.engine.interrupts import interrupts_deferred
 from kvlocal.engine.observation import Observations, Rope, joined
 from kvlocal.engine.positions import reposition
@@ -107,6 +108,7 @@ class Engine:
         recall_step_candidates: float = RECALL_STEP_CANDIDATES,
         recall_step_confidence: float = RECALL_STEP_CONFIDENCE,
         recall_step_every: int = RECALL_STEP_EVERY,
+        recall_room: int = RECALL_ROOM,
         observe_every: int = OBSERVE_EVERY,
     ):
         budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
@@ -177,6 +179,7 @@ class Engine:
         # the steps fewer than recall_step_every past the last swap
         self.recall_steps, self.recall_step_candidates = int(recall_steps), float(recall_step_candidates)
         self.recall_step_confidence, self.recall_step_every = float(recall_step_confidence), int(recall_step_every)
+        self.recall_room = int(recall_room)  # cells a re-selection leaves for the answer (0: it keeps the budget's rows)
         self._answering = False  # the tokens generated now answer a question that re-selected the cache
         self._held: tuple[list[np.ndarray], np.ndarray] | None = None  # the queries of kept steps, for the next swap
         self.tier = HostTier(len(self.layers), m.n_head_kv, row_format(type_k, m.arch.head_dim_k),
@@ -256,7 +259,7 @@ class Engine:
         turn is a question — with a recall tier, the cache is re-selected for it first (:meth:`recall`),
         so that its own tokens already attend to what came back."""
         if recall:
-            self.recall(probe if probe is not None else tokens)
+            self.recall(probe if probe is not None else tokens, pending=len(tokens))
         logits = self.prefill(tokens, probe, progress)
         self._answering, self._held = recall and self.tier is not None, None
         return logits
@@ -507,17 +510,19 @@ class Engine:
         for name, dt in (("observe", t1 - t0), ("read", t2 - t1), ("score", t3 - t2), ("apply", t4 - t3)):
             s.compression_breakdown[name] = s.compression_breakdown.get(name, 0.0) + dt
 
-    def recall(self, probe: Sequence[int] | None) -> int:
+    def recall(self, probe: Sequence[int] | None, pending: int | None = None) -> int:
         """Re-select the cache for a new question (the recall tier, :mod:`kvlocal.recall`): decode the
         probe with query capture (then remove it), rank the tier's pages by their key bounds, score the
         device cells and the best pages' rows together with the method, and swap — the best rows of each
-        head come in, the rows they displace go out to the tier. Returns the rows brought back (0 without
-        a tier, or when it holds nothing off the device)."""
+        head come in, the rows they displace go out to the tier. ``pending``: the tokens that come next (the
+        question; the probe's by default), whose cells the re-selection leaves free. Returns the rows brought back
+        (0 without a tier, or when it holds nothing off the device)."""
         if self.tier is None or self.tier.n_rows == 0:
             return 0
         self._check_usable()
         t0 = time.perf_counter()
-        moved = self._reselect(*self._observe(self._probe_tokens(probe))[:2], self.recall_candidates)
+        pending = len(probe or ()) if pending is None else pending
+        moved = self._reselect(*self._observe(self._probe_tokens(probe))[:2], self.recall_candidates, pending)
         self.stats.recall_events += 1
         self.stats.recall_seconds += time.perf_counter() - t0
         return moved
@@ -549,9 +554,11 @@ class Engine:
         self.stats.recall_step_seconds += time.perf_counter() - t0
         return False
 
-    def _reselect(self, q: list[np.ndarray], q_pos: np.ndarray, candidates: float) -> int:
+    def _reselect(self, q: list[np.ndarray], q_pos: np.ndarray, candidates: float, pending: int = 0) -> int:
         """Score the device cells and the tier's best candidates (``candidates`` × the head budget of rows) for
-        the observation ``q`` at ``q_pos`` together, and swap; returns the rows brought back."""
+        the observation ``q`` at ``q_pos`` together, and swap; returns the rows brought back. Each head keeps the
+        rows the context has room for while the answer is written (:meth:`_recall_width`), ``pending``: tokens
+        of the turn still to come."""
         w = observation_window(self.scorer) or len(q_pos)
         cands = choose_candidates(self.tier, [self.basis.queries(qi[:, -w:] * self._q_scale) for qi in q],
                                   max(1, int(candidates * self.head_budget)))
@@ -559,16 +566,30 @@ class Engine:
             return 0
         before = self.tier.rows_in
         union = with_candidates(self._read(), self.tier, cands, self.kv, self.recall_span)
-        self._apply(union, self._plan(union, q, q_pos))
+        width = self._recall_width(pending)
+        self._apply(union, self._plan(union, q, q_pos, width))
+        if width > self.head_budget:  # the turn's tokens go in with no compression: its answer reads these rows
+            self._settled = self.last_plan.n_slots + pending
         self.stats.recall_candidates += cands.n_rows
         return self.tier.rows_in - before
 
-    def _plan(self, read: CacheRead, q: list[np.ndarray], q_pos: np.ndarray) -> Plan:
-        """The scorer's plan for the cells of ``read``, observed by the queries ``q`` at ``q_pos``."""
+    def _recall_width(self, pending: int) -> int:
+        """A re-selection's head budget. The context holds the budget plus the headroom that prefill chunks fill;
+        while a question is answered that headroom holds recalled rows — no device byte more — less the cells the
+        turn's ``pending`` tokens, ``recall_room`` answer tokens and a probe (the reserve) need. Never below the
+        budget; the first compression during the answer returns to it."""
+        if not self.recall_room:
+            return self.head_budget
+        cells = self.ctx.n_ctx - self._reserve() - pending - self.recall_room
+        return max(self.head_budget, self.scorer.budget_for_cells(cells))
+
+    def _plan(self, read: CacheRead, q: list[np.ndarray], q_pos: np.ndarray, head_budget: int | None = None) -> Plan:
+        """The scorer's plan for the cells of ``read``, observed by the queries ``q`` at ``q_pos`` (each head keeps
+        ``head_budget`` rows, the budget's by default)."""
         inputs = self.kv.layer_inputs(read, [qi * self._q_scale for qi in q], q_pos,
                                       n_sink=max(self.cfg.n_sink, self.stats.kv_cells_pinned),
                                       recent=self.cfg.recent, window_size=observation_window(self.scorer))
-        plan = plan_layers(self.scorer, inputs, self.head_budget, workers=min(self.ctx.n_threads, PLAN_WORKERS))
+        plan = plan_layers(self.scorer, inputs, head_budget or self.head_budget, workers=min(self.ctx.n_threads, PLAN_WORKERS))
         self.last_plan = plan
         return plan
 
