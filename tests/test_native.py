@@ -439,7 +439,8 @@ def test_native_and_state_recall_the_same_rows(tiny, arch):
     assert flags_apart <= (0 if arch == "llama" else 2), flags_apart
     pa, pb = native.last_plan.positions, state.last_plan.positions
     assert pa.shape == pb.shape and (arch != "llama" or np.array_equal(pa, pb))
-    assert sum(len(set(x) ^ set(y)) for x, y in zip(pa.reshape(-1, pa.shape[-1]), pb.reshape(-1, pb.shape[-1]))) == flags_apart
+    rows_a, rows_b = pa.reshape(-1, pa.shape[-1]), pb.reshape(-1, pb.shape[-1])
+    assert sum(len(set(x) ^ set(y)) for x, y in zip(rows_a, rows_b)) == flags_apart
     assert native.reply == state.reply
     # native copies exactly the rows that move, as the tier counts them: at the prefill's events the rows that
     # left, at the question those plus the rows that came back; state reads and writes back the whole cache

@@ -124,6 +124,8 @@ def test_an_answers_first_tokens_reselect_with_their_own_queries(tiny_llama):
     assert off.stats.recall_events == 1 and off.stats.recall_steps == 0
     with pytest.raises(UsageError, match="recall_steps"):
         Engine(tiny_llama, 64, "criticalkv", max_tokens=500, recall=True, recall_steps=-1)
+    with pytest.raises(UsageError, match="recall_room"):
+        Engine(tiny_llama, 64, "criticalkv", max_tokens=500, recall=True, recall_room=-1)
 
 
 def test_a_confident_step_keeps_its_decode_and_swaps_nothing(tiny_llama):

@@ -278,7 +278,7 @@ def run_recall_cost(args, model: Model) -> int:
         eng.append(question, probe=question, recall=True)
         decode0 = s.decode_seconds
         answer = len(list(eng.generate(n_answer, stop_at_eog=False)))
-        back = s.compression_seconds - comp0  # the turn's compressions (back to the budget as the answer outgrows its room)
+        back = s.compression_seconds - comp0  # the turn's compressions: back to the budget past the answer's room
         seconds = s.recall_seconds + s.recall_step_seconds + back
         rows.append(dict(tokens=n, backend=backend, step_confidence=confidence, step_every=every,
                          prefill_seconds=s.prefill_seconds,

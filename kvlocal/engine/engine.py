@@ -179,7 +179,9 @@ class Engine:
         # the steps fewer than recall_step_every past the last swap
         self.recall_steps, self.recall_step_candidates = int(recall_steps), float(recall_step_candidates)
         self.recall_step_confidence, self.recall_step_every = float(recall_step_confidence), int(recall_step_every)
-        self.recall_room = int(recall_room)  # cells a re-selection leaves for the answer (0: it keeps the budget's rows)
+        if recall_room < 0:
+            raise UsageError(f"recall_room {recall_room} must be >= 0 (0: a re-selection keeps the budget's rows)")
+        self.recall_room = int(recall_room)  # cells a re-selection leaves for the answer
         self._answering = False  # the tokens generated now answer a question that re-selected the cache
         self._held: tuple[list[np.ndarray], np.ndarray] | None = None  # the queries of kept steps, for the next swap
         self.tier = HostTier(len(self.layers), m.n_head_kv, row_format(type_k, m.arch.head_dim_k),
@@ -589,7 +591,8 @@ class Engine:
         inputs = self.kv.layer_inputs(read, [qi * self._q_scale for qi in q], q_pos,
                                       n_sink=max(self.cfg.n_sink, self.stats.kv_cells_pinned),
                                       recent=self.cfg.recent, window_size=observation_window(self.scorer))
-        plan = plan_layers(self.scorer, inputs, head_budget or self.head_budget, workers=min(self.ctx.n_threads, PLAN_WORKERS))
+        plan = plan_layers(self.scorer, inputs, head_budget or self.head_budget,
+                           workers=min(self.ctx.n_threads, PLAN_WORKERS))
         self.last_plan = plan
         return plan
 
