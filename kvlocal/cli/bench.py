@@ -214,7 +214,7 @@ def run_frontier(args, model: Model) -> int:
         full = next(f for f in rows if f["tokens"] == r["tokens"] and f["config"] == "full")
         share = f"{100 * r['share']:.1f}%" if r["events"] else "-"
         print(f"{r['tokens']:>8,}  {r['config']:<26}{r['kv_bytes'] / mib:>8.1f} {r['kv_bytes'] / full['kv_bytes']:>7.3f}x "
-              f"{r['ttft']:>8.1f} {r['ttft'] / full['ttft']:>7.2f}x {r['decode_tok_s']:>11.1f} "
+              f"{r['ttft']:>8.2f} {r['ttft'] / full['ttft']:>7.2f}x {r['decode_tok_s']:>11.1f} "
               f"{r['decode_tok_s'] / full['decode_tok_s']:>7.2f}x {share:>12}")
     return 0
 
