@@ -6,8 +6,9 @@
 #                                       # GPU_LIBS=<cuda_build.sh's bin>, the CUDA libraries built there: 45 MiB)
 #   ggml_patches/gpu_check.sh           # then, on the GPU machine, in a copy of the repo with .gpu/
 #
-# Steps (each prints its wall time; RESULTS=DIR keeps each step's output there as a file; SHAPE=tiny, small TOKENS
-# and CONTEXTS try the pipeline in a minute):
+# Steps (each prints its wall time; RESULTS=DIR keeps each step's output there as a file; SHAPE=tiny, TESTS=0 and
+# small TOKENS and CONTEXTS try the pipeline in seconds — tests/test_gpu_check.py does, with a pack of the CPU
+# libraries):
 #   1. the ggml-cuda and llama libraries: the ones in .gpu/bin.tar.xz when the pack has them (built elsewhere by
 #      ggml_patches/cuda_build.sh for this GPU's architecture), else built here from .gpu/llama.cpp.tar.gz with
 #      the flash-attention kernels — patch 0008's attention bias lives there — and ggml's test-backend-ops, whose
@@ -75,14 +76,15 @@ fi
 
 # kvlocal from this checkout, llama-cpp-python's Python package from the pack, its library from $bin
 "$py" -m pip install -q --no-index --no-deps --target "$work/site" "$pack"/wheels/*.whl
-cp "$pack"/_kernels*.so kvlocal/
+if ! ls kvlocal/_kernels*.so >/dev/null 2>&1; then cp "$pack"/_kernels*.so kvlocal/; fi  # ignored by git: not copied
 export PYTHONPATH="$repo:$work/site:$pack${PYTHONPATH:+:$PYTHONPATH}" LLAMA_CPP_LIB_PATH="$bin" CI=
 "$py" -m kvlocal doctor
 
-step "2. native backend tests with the cache on the GPU"
-# the tests on generated models (the registry's SmolLM2 cannot be had offline)
-run_step tests env KVLOCAL_TEST_NGL=99 "$py" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_native.py \
-    -k "not smollm2 and not refuses_bad_indices and not score_ and not backend_choice and not cli_backend_flag"
+step "2. native backend tests with the cache on the GPU$([ "${TESTS:-1}" = 1 ] || echo ': skipped (TESTS=0)')"
+if [ "${TESTS:-1}" = 1 ]; then  # the tests on generated models (the registry's SmolLM2 cannot be had offline)
+    run_step tests env KVLOCAL_TEST_NGL=99 "$py" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_native.py \
+        -k "not smollm2 and not refuses_bad_indices and not score_ and not backend_choice and not cli_backend_flag"
+fi
 
 step "3. a random-weight GGUF of ${SHAPE:-llama3-8b}'s shape"
 model="$work/random-${SHAPE:-llama3-8b}.gguf"

@@ -19,16 +19,20 @@ sdist="$cache/src/llama_cpp_python-0.3.36.tar.gz"
 kernels=$(ls "$repo"/kvlocal/_kernels*.so 2>/dev/null | head -1 || true)
 [ -n "$kernels" ] || { echo "gpu_pack.sh: kvlocal's C kernels are not built: run ./setup.sh once" >&2; exit 2; }
 libs="${GPU_LIBS:-}"
-[ -z "$libs" ] || [ -f "$libs/libggml-cuda.so" ] || { echo "gpu_pack.sh: $libs/libggml-cuda.so is missing: run ggml_patches/cuda_build.sh (WITH_TESTS=1 for test-backend-ops)" >&2; exit 2; }
+[ -z "$libs" ] || [ -f "$libs/libllama.so" ] || { echo "gpu_pack.sh: $libs/libllama.so is missing: run ggml_patches/cuda_build.sh (WITH_TESTS=1 for test-backend-ops)" >&2; exit 2; }
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-tar xzf "$sdist" -C "$tmp"
 src="$tmp/llama_cpp_python-0.3.36"
 tree="$src/vendor/llama.cpp"
-for p in "$here"/[0-9][0-9][0-9][0-9]-*.patch; do
-    patch -d "$tree" -p1 --forward --batch --quiet -i "$p"
-done
+if [ -n "$libs" ]; then  # built already: only llama-cpp-python's Python package is needed from the sources
+    tar xzf "$sdist" -C "$tmp" llama_cpp_python-0.3.36/llama_cpp
+else
+    tar xzf "$sdist" -C "$tmp"
+    for p in "$here"/[0-9][0-9][0-9][0-9]-*.patch; do
+        patch -d "$tree" -p1 --forward --batch --quiet -i "$p"
+    done
+fi
 rm -rf "$out" && mkdir -p "$out/wheels"
 cp -r "$src/llama_cpp" "$out/llama_cpp"
 find "$out/llama_cpp" -name '*.so' -delete
@@ -40,7 +44,8 @@ if [ -n "$libs" ]; then  # the libraries, xz-compressed (60 MiB of sm_90 code in
     done
     if [ -x "$libs/test-backend-ops" ]; then cp "$libs/test-backend-ops" "$tmp/bin/"; fi
     strip --strip-unneeded "$tmp"/bin/*
-    echo "sm_$(grep -h '^CMAKE_CUDA_ARCHITECTURES' "$libs/../CMakeCache.txt" 2>/dev/null | sed 's/.*=//'), built $(date -u -r "$libs/libggml-cuda.so" +%F)" >"$tmp/bin/BUILT"
+    arch=$(grep -h '^CMAKE_CUDA_ARCHITECTURES' "$libs/../CMakeCache.txt" 2>/dev/null | sed 's/.*=/sm_/' || true)
+    echo "${arch:-no CUDA}, built $(date -u -r "$libs/libllama.so" +%F)" >"$tmp/bin/BUILT"
     tar cf - -C "$tmp" bin | xz -T0 -6 >"$out/bin.tar.xz"
 else
     # the sources of the ggml and llama libraries and of ggml's test-backend-ops
