@@ -3,7 +3,7 @@
 # compression at 32K tokens on a random-weight model of Llama-3-8B's shape.
 #
 #   ggml_patches/gpu_pack.sh            # first, on a machine with the repo set up: writes .gpu/ (~7 MiB; with
-#                                       # GPU_LIBS=<cuda_build.sh's bin>, the CUDA libraries built there: 45 MiB)
+#                                       # GPU_LIBS=<cuda_build.sh's bin>, the CUDA libraries built there: 42 MiB)
 #   ggml_patches/gpu_check.sh           # then, on the GPU machine, in a copy of the repo with .gpu/
 #
 # Steps (each prints its wall time; RESULTS=DIR keeps each step's output there as a file; SHAPE=tiny, TESTS=0 and
