@@ -57,6 +57,18 @@ def pytest_configure(config):
     os.sched_setaffinity(0, share)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The long tests (``@pytest.mark.slow(seconds)``: measured on one pinned core) run first, longest first.
+    ``--dist worksteal`` balances the workers by moving tests not yet started; a two-minute test that starts
+    last runs alone while the other worker idles, and the run ends when it does. Started first, the short
+    tests fill in around it."""
+    def seconds(item) -> float:
+        mark = item.get_closest_marker("slow")
+        return mark.args[0] if mark and mark.args else 0.0
+
+    items.sort(key=lambda item: -seconds(item))  # stable: the rest keep their order
+
+
 def pulled(name: str) -> Path:
     """A known model's file, pulled into the model cache on first use (skip/fail by policy 2)."""
     from kvlocal.errors import UsageError

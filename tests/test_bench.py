@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import assert_usage_error, run_cli
 
 
+@pytest.mark.slow(22)
 def test_frontier_measures_every_configuration(smollm2, tmp_path):
     plot = tmp_path / "frontier.png"
     r = run_cli("bench", str(smollm2), "--frontier", "--contexts", "300", "--decode", "2",
@@ -33,6 +36,7 @@ def test_frontier_refuses_contexts_past_the_trained_one(smollm2):
     assert_usage_error(run_cli("bench", str(smollm2), "--frontier", "--contexts", "100000"), "trained on 8,192")
 
 
+@pytest.mark.slow(49)
 def test_overhead_compares_the_levers_side_by_side(smollm2):
     """``--overhead``: each --backends × --chunks × --observe-every run reads the same prompt; observing once in
     three decodes the probe for fewer of the same events (the prompt's last one always), on either backend."""
@@ -51,6 +55,7 @@ def test_overhead_compares_the_levers_side_by_side(smollm2):
     assert_usage_error(run_cli("bench", str(smollm2), "--overhead", "--chunks", "0"), "--chunks")
 
 
+@pytest.mark.slow(25)
 def test_recall_cost_counts_the_question_and_the_answer_steps(smollm2):
     """``--recall-cost``: a document read with recall on, one question, then an answer whose first tokens
     re-select too and that goes on past the room the question left it; the seconds of all three against the prefill,
@@ -77,6 +82,7 @@ def test_recall_cost_counts_the_question_and_the_answer_steps(smollm2):
     assert_usage_error(run_cli("bench", str(smollm2), "--recall-cost", "--step-every", "0"), "--step-every")
 
 
+@pytest.mark.slow(50)
 def test_backends_side_by_side_on_a_quantized_cache(smollm2):
     """`kvlocal bench --cache q8_0`: the full q8_0 cache against the method on it on both backends (patch 0016);
     native copies no K/V to the host, state reads the cache out and back at every event."""

@@ -224,13 +224,11 @@ def test_queries_reproduce_kq_soft_max_llama(smollm2_model):
     print("max abs error per layer:", _softmax_check(smollm2_model, layers=[0, 15, 29]))
 
 
-@pytest.mark.slow
 def test_queries_reproduce_kq_soft_max_qwen2(qwen_model):
     """qwen2 adds a bias: Qcur-N is MUL_MAT, ADD, RESHAPE, ROPE — still the ROPE one is taken."""
     print("max abs error per layer:", _softmax_check(qwen_model, layers=[0, qwen_model.n_layer // 2], n_first=12, n_second=8, n_last=4))
 
 
-@pytest.mark.slow
 def test_queries_match_reference_model(smollm2_model, smollm2):
     """The PyTorch reference forward (dequantized weights, f32 activations) gives the same queries up to
     quantization noise."""
@@ -279,7 +277,6 @@ def test_batches_keep_last_rows(smollm2_model):
         assert np.array_equal(q[il], rows[-32:].transpose(1, 0, 2))
 
 
-@pytest.mark.slow
 def test_ubatches_keep_last_rows(smollm2_model):
     """n_batch 1024 > n_ubatch 512: llama.cpp splits one llama_decode of 530 tokens into 512 + 18."""
     m = smollm2_model

@@ -114,6 +114,7 @@ def test_a_reply_stopped_early_stays_in_the_chat(smollm2_model):
         assert chat.stats.tokens_seen > seen
 
 
+@pytest.mark.slow(40)
 def test_a_chat_runs_past_the_trained_context(smollm2_model):
     """Positions are moved back under the limit (lowered here from 8,192 to 1,200 so that a short document
     crosses it four times) and the chat goes on; a pass key read ~640 tokens before the end, with a move
@@ -138,6 +139,7 @@ def test_a_chat_runs_past_the_trained_context(smollm2_model):
         assert key in reply, reply
 
 
+@pytest.mark.slow(41)
 def test_the_recall_tier_follows_positions_moved_back(smollm2_model):
     """The same chat with recall on: the moves keep the tier's latest history (turned to its new positions)
     instead of clearing it, and the question brings the key's rows back from it — with the tier cleared at
@@ -158,6 +160,7 @@ def test_the_recall_tier_follows_positions_moved_back(smollm2_model):
         assert key in reply, reply
 
 
+@pytest.mark.slow(20)
 def test_positions_move_on_a_sliding_window_model(gemma3_model):
     """Gemma 3 (sliding window 512 on 5 of 6 layers): the recent span that moves as one block is the
     window, and the sliding cache's cells outside it are dropped; a pass key read before three moves is
@@ -178,6 +181,7 @@ def test_positions_move_on_a_sliding_window_model(gemma3_model):
 
 @pytest.mark.parametrize("model, method, cache", [("smollm2_model", "kvslimmer", "f16"), ("gemma3_model", "criticalkv", "f16"),
                                                   ("smollm2_model", "kvslimmer", "q8_0")])
+@pytest.mark.slow(20)
 def test_saved_merged_and_sliding_window_sessions_reload(request, tmp_path, model, method, cache):
     """What the criticalkv session above does not hold: merged slots (counts and log-count biases), a
     sliding-window model's second cache and a q8_0 cache (merged rows re-quantized) come back from a

@@ -37,6 +37,7 @@ def _chat(model: Model, method: str) -> tuple[str, Engine]:
     return "".join(chat.ask(QUESTION, max_tokens=24)), eng
 
 
+@pytest.mark.slow(21)
 @pytest.mark.parametrize("method", ["criticalkv", "streaming"])
 def test_chat_past_the_budget_answers_about_its_first_turn(qwen_model, method):
     answer, eng = _chat(qwen_model, method)

@@ -258,6 +258,7 @@ def comparison(smollm2_model, ref_model, prompt, run):
 # -- 1. the engine against the reference, same plans ----------------------------------------------------
 
 
+@pytest.mark.slow(37)
 def test_engine_matches_reference_with_the_same_plans(run, comparison):
     eng = run["engine"]
     phases = [e.phase for e in eng.events]
@@ -500,6 +501,7 @@ def kept_jaccard(a: Plan, b: Plan) -> float:
     return float(np.mean(out))
 
 
+@pytest.mark.slow(36)
 def test_eviction_on_a_quantized_cache_scores_in_the_rotated_basis(smollm2_model, text_tokens, monkeypatch):
     """A q8_0 K and V cache holds Walsh–Hadamard-rotated rows: scoring them with rotated queries keeps
     nearly the F16 cache's sets (what differs is q8_0's noise); scoring them with the model's own queries

@@ -112,7 +112,7 @@ def test_insert_and_score():
     assert score(Item("t", "n", "d", "q", ["12345"]), " 12345.") == 1.0
 
 
-@pytest.mark.slow
+@pytest.mark.slow(66)
 def test_quick_eval_is_complete_sane_and_resumable(smollm2, tmp_path):
     out = tmp_path / "eval"
     # --quick's runs at one of its budgets (given options still apply): the suite's time, every code path

@@ -17,7 +17,7 @@ from conftest import REPO
 from policy import missing
 
 
-@pytest.mark.slow
+@pytest.mark.slow(24)
 def test_gpu_pack_and_check_run_every_step(tmp_path):
     if sys.platform != "linux":
         pytest.skip("the GPU scripts pack Linux wheels and libraries")

@@ -172,6 +172,7 @@ def _forced_logits(eng: Engine, prompt, forced) -> np.ndarray:
     return np.concatenate([eng.logits[None], logits])
 
 
+@pytest.mark.slow(31)
 def test_gemma3_engine_compresses_the_full_attention_cache(gemma3_model, gpl_text):
     """The engine on Gemma 3: chunked prefill with compression events on the 3 full-attention layers,
     positions kept, both caches counted and measured; and the compressed cache predicts a forced

@@ -458,6 +458,7 @@ def jaccard(a, b) -> np.ndarray:
     return np.array(out)
 
 
+@pytest.mark.slow(40)
 @pytest.mark.parametrize("method,cache", [("criticalkv", "f16"), ("criticalkv", "q8_0"), ("criticalkv+kvslimmer", "f16")])
 def test_native_agrees_with_state_on_smollm2(smollm2_model, method, cache):
     """SmolLM2 Q4_1 (an F16 and a q8_0 cache), 1,280 tokens at budget 0.1: the same kept sets (mean Jaccard

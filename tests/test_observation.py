@@ -51,6 +51,7 @@ def test_moved_queries_are_llama_cpp_queries_at_the_new_positions(fixture, reque
             assert moved < 0.25 * unmoved, (fixture, delta, il, moved, unmoved)
 
 
+@pytest.mark.slow(39)
 def test_events_between_probe_decodes_use_moved_queries(smollm2_model):
     """observe_every=4 decodes the probe for one event in four (and for the prompt's last one); the kept
     sets stay close to those of a probe decoded for every event, and differ (in layer 0 the queries depend on

@@ -142,7 +142,7 @@ def test_table(measured):
     assert "(layer, budget) pairs" in text
 
 
-@pytest.mark.slow
+@pytest.mark.slow(12)
 def test_cli_writes_complete_files_and_resumes(smollm2, tmp_path):
     out = tmp_path / "p"
     args = ("eval", "--perturbation", "--out", str(out), "--tokens", "300", "--budgets", "0.1", "0.4",

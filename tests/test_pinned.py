@@ -74,6 +74,7 @@ def passages(n: int) -> list[str]:
     return [" ".join(words[i * step:(i + 1) * step]) for i in range(n)]
 
 
+@pytest.mark.slow(107)
 def test_a_system_rule_holds_after_fifteen_turns_when_pinned_or_recalled(qwen_model):
     """The codeword of the system prompt, asked after 15 turns of license text (> 10x the budget of 102
     cells) at budget 0.05 of 2,048: the pinned chat gives it (recall off: pinning alone), and so does the

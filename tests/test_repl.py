@@ -224,6 +224,7 @@ def _statuses(t: Term) -> int:
     return len(STATUS.findall(t.text("err")))
 
 
+@pytest.mark.slow(24)
 def test_session(term, smollm2, tmp_path):
     """One sitting: a question, a document read and asked about, multi-line messages, the commands."""
     from kvlocal.chat import saved

@@ -344,7 +344,6 @@ def test_plain_completions(server):
         assert_error(httpx.post(url, json=bad, timeout=WAIT), 400, param)
 
 
-@pytest.mark.slow  # two reads of a 2K-token message: 1-2 minutes on 2 busy cores
 def timed_pair(server, messages) -> list[tuple[dict, float]]:
     """The reply to ``messages`` continuing the server's cached conversation, then read fresh, each with its
     wall time (printed by the tests, never asserted)."""
@@ -355,6 +354,7 @@ def timed_pair(server, messages) -> list[tuple[dict, float]]:
     return out
 
 
+@pytest.mark.slow(56)
 def test_follow_up_reuses_the_compressed_cache(server):
     prose = (REPO / "kvlocal/data/sample.txt").read_text() + "\n" + (REPO / "kvlocal/data/gpl-3.0.txt").read_text()[:4000]
     first = [{"role": "user", "content": prose + "\n\nWho is speaking in the first dialogue of the text above?"}]
@@ -380,6 +380,7 @@ def test_follow_up_reuses_the_compressed_cache(server):
     assert reused["kv"]["tokens_seen"] == r1["kv"]["tokens_seen"] + reused["usage"]["total_tokens"]
 
 
+@pytest.mark.slow(39)
 def test_conversations_survive_a_restart(smollm2, tmp_path):
     """--session-dir: a conversation continues from its saved cache after the server restarts (reading only
     the new message); a damaged file is skipped with a warning and that conversation is read fresh."""
