@@ -20,6 +20,8 @@ The policy — every test file follows it:
 The suite runs on every core in parallel (pytest-xdist, ``-n auto`` in pyproject.toml): each worker is pinned
 to its own share of the cores, so llama.cpp's threads (``default_threads``: the cores a process may use), torch's
 and the CLI's subprocesses never contend for one core; where the OS cannot pin (macOS) it runs in one process.
+A test of 20 s or more carries ``@pytest.mark.slow(seconds)``, its measured time: the long tests run first, so that
+neither worker ends the run alone on one of them.
 ``-n 0`` runs it in one process, as a debugger wants.
 """
 
