@@ -375,3 +375,17 @@ def test_questions_after_the_document_find_what_eviction_dropped(qwen_model):
     # keeps none of the document
     assert on == full, on
     assert sum(off) + 3 <= sum(on) and sum(streaming) + 3 <= sum(on)
+
+
+def test_profile_recall_times_every_part_of_a_swap(smollm2):
+    """tools/profile_recall (where a swap's time goes) runs on the engine as it is and times each part it names: a
+    part renamed or moved (as when re-selection left engine.py) fails here instead of in the next profile."""
+    r = subprocess.run([sys.executable, "-m", "tools.profile_recall", str(smollm2), "--tokens", "700", "--steps", "3",
+                        "-t", "1"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    # part -> calls
+    rows = {line[:20].strip(): int(line.split()[-1]) for line in r.stdout.splitlines()[2:] if line.strip()}
+    parts = ("_recall_step", "_reselect", "_plan", "_apply", "with_candidates", "choose_candidates", "store_evicted",
+             "evicted", "tier add")
+    assert all(rows.get(p, 0) > 0 for p in parts), r.stdout  # each part ran in the 3 swaps
+    assert "3 steps, 3 swapped" in r.stdout.splitlines()[0], r.stdout
