@@ -55,6 +55,20 @@ def test_overhead_compares_the_levers_side_by_side(smollm2):
     assert_usage_error(run_cli("bench", str(smollm2), "--overhead", "--chunks", "0"), "--chunks")
 
 
+def test_overhead_compares_the_value_norms(smollm2):
+    """``--value-norms l1 l2``: CriticalKV with the paper's L1 norms and with L2 (through W_O's d x d factor) on the
+    same prompt and events; refused without ``--overhead`` and for a method without value norms."""
+    r = run_cli("bench", str(smollm2), "--overhead", "--long", "700", "--budget", "100", "--chunks", "64",
+                "--observe-every", "3", "--decode", "1", "--json", "--backends", "state", "--value-norms", "l1", "l2")
+    assert r.returncode == 0, r.stderr
+    full, *rows = json.loads(r.stdout)["overhead"]
+    assert [x["value_norm"] for x in rows] == ["l1", "l2"] and rows[0]["events"] == rows[1]["events"] > 3
+    assert all(x["kv_bytes"] == rows[0]["kv_bytes"] < full["kv_bytes"] for x in rows)
+    assert_usage_error(run_cli("bench", str(smollm2), "--value-norms", "l2"), "add --overhead")
+    assert_usage_error(run_cli("bench", str(smollm2), "--overhead", "--method", "snapkv", "--value-norms", "l2"),
+                       "snapkv has no value norm")
+
+
 @pytest.mark.slow(25)
 def test_recall_cost_counts_the_question_and_the_answer_steps(smollm2):
     """``--recall-cost``: a document read with recall on, one question, then an answer whose first tokens

@@ -86,6 +86,9 @@ def pairs(window_size=32, kernel_size=7, pooling="max"):
         ("snapkv", SnapKV(**snap), ref.SnapKV(n_sink=N_SINK, **snap)),
         ("criticalkv", CriticalKV(SnapKV(**snap)), ref.CriticalKV(ref.SnapKV(n_sink=N_SINK, **snap))),
         ("criticalkv-streaming", CriticalKV(StreamingLLM()), ref.CriticalKV(ref.StreamingLLM(n_sink=N_SINK))),
+        # L2 value norms: the engine's through W_O's d x d factor, the reference's through W_O itself
+        ("criticalkv-l2", CriticalKV(SnapKV(**snap), value_norm="l2"),
+         ref.CriticalKV(ref.SnapKV(n_sink=N_SINK, **snap), value_norm="l2")),
     ]
 
 
@@ -139,26 +142,29 @@ def test_kept_sets_equal_reference_numpy_path():
     try:
         assert not native_scoring()
         layer, kv, obs = make_case(seed=10, n=60)
-        for name, mine, theirs in pairs()[1:3]:
+        for name, mine, theirs in [p for p in pairs() if p[0] in ("snapkv", "criticalkv", "criticalkv-l2")]:
             for budget in (14, 30):
                 assert_same_keep(mine.keep(layer, budget), layer, theirs.plan(kv, obs, budget), f"{name} b={budget}")
     finally:
         kernels.simd_level(best)
 
 
-def test_criticalkv_reuses_and_fills_known_norms():
+@pytest.mark.parametrize("norm", ["l1", "l2"])
+def test_criticalkv_reuses_and_fills_known_norms(norm):
     layer, _, _ = make_case(seed=9)
-    want = CriticalKV().keep(layer, 40)
+    crit = CriticalKV(value_norm=norm)
+    want = crit.keep(layer, 40)
     layer.vnorm = np.full((layer.n_kv, layer.n), np.nan, dtype=np.float32)
-    assert np.array_equal(CriticalKV().keep(layer, 40), want)
+    assert np.array_equal(crit.keep(layer, 40), want)
     filled = ~np.isnan(layer.vnorm)  # the norms stage 2 needed, written in place
     assert 0 < filled.sum() < layer.vnorm.size
-    exact = np.stack(projected_value_norms(layer.v, layer.wo, layer.n_head))
-    np.testing.assert_array_equal(layer.vnorm[filled], exact[filled])
+    p = {"l1": 1, "l2": 2}[norm]
+    exact = np.stack(projected_value_norms(layer.v, layer.wo, layer.n_head, p=p))  # through W_O itself
+    np.testing.assert_allclose(layer.vnorm[filled], exact[filled], rtol=1e-5)
     layer.vnorm = exact.copy()  # all known: nothing recomputed, same plan
-    assert np.array_equal(CriticalKV().keep(layer, 40), want)
+    assert np.array_equal(crit.keep(layer, 40), want)
     layer.vnorm = np.where(filled, 0, exact).astype(np.float32)  # the known norms are what is used
-    assert not np.array_equal(CriticalKV().keep(layer, 40), want)
+    assert not np.array_equal(crit.keep(layer, 40), want)
 
 
 def test_scores_match_reference():

@@ -33,6 +33,7 @@ from kvlocal.compress import (
     head_budgets,
     make_scorer,
     method_params,
+    norm_p,
     plan_layers,
 )
 from kvlocal.compress import numpy_kernels
@@ -337,8 +338,9 @@ def test_inputs_without_rows_fetch_what_a_scorer_reads(method):
     budget = 20
     layer.vnorm = np.full((layer.n_kv, layer.n), np.nan, np.float32)
     want = make_scorer(method).plan_layer(layer, budget)
-    every_row = [np.arange(layer.n)] * layer.n_kv  # the device gives the norms of every row it is asked for
-    norms = np.stack(projected_value_norms(layer.v, layer.wo, layer.n_head, every_row)).astype(np.float32)
+    every_row = [np.arange(layer.n)] * layer.n_kv  # the device gives the norms of every row it is asked for,
+    p = norm_p(make_scorer(method))  # through W_O itself, in the norm the scorer ranks by
+    norms = np.stack(projected_value_norms(layer.v, layer.wo, layer.n_head, every_row, p)).astype(np.float32)
     source = ArrayRows(layer)
     bare = dataclasses.replace(layer, k=None, v=None, pos=layer.pos_h, vnorm=norms, rows=source,
                                votes=window_votes(layer.q, layer.q_pos, layer.k, layer.pos, layer.bias))

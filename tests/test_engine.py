@@ -333,8 +333,9 @@ def test_kept_sets_match_the_reference_scorer(run, comparison, ref_model, smollm
     # the engine's scorer: CriticalKV over SnapKV with the defaults of the papers' code
     assert eng.scorer.inner == CriticalKV(SnapKV(window_size=32, kernel_size=7, pooling="max"), epsilon=1e-4,
                                           first_stage_ratio=0.5)
+    norm = eng.scorer.inner.value_norm  # the default's, L1 or L2: the reference ranks by the same
     ref_scorer = rc.CriticalKV(rc.SnapKV(window_size=32, kernel_size=7, pooling="max", n_sink=N_SINK),
-                               epsilon=1e-4, first_stage_ratio=0.5)
+                               epsilon=1e-4, first_stage_ratio=0.5, value_norm=norm)
     ref_cache, ref_q = comparison["at_event"]["cache"], comparison["at_event"]["q"]
 
     plain_differ = 0
@@ -358,7 +359,7 @@ def test_kept_sets_match_the_reference_scorer(run, comparison, ref_model, smollm
         # value norms carried from earlier events are those of the rows that carry them
         known = ~np.isnan(x.vnorm) if x.vnorm is not None else np.zeros((m.n_head_kv, x.n), dtype=bool)
         if known.any():
-            exact = np.stack(projected_value_norms(x.v, x.wo, x.n_head))
+            exact = np.stack(projected_value_norms(x.v, x.wo, x.n_head, p={"l1": 1, "l2": 2}[norm]))  # through W_O
             np.testing.assert_allclose(x.vnorm[known], exact[known], rtol=1e-4)
 
         # the kept sets: exactly the reference's, with the window rule the engine uses

@@ -65,7 +65,7 @@ def test_plan_runs_the_full_cache_first_and_each_probe_where_it_matters():
 
 
 def test_methods_run_on_quantized_caches_as_method_at_cache():
-    from kvlocal.eval.runner import observe_every, split_method
+    from kvlocal.eval.runner import method_params, observe_every, split_method
 
     assert split_method("criticalkv@kv-q8_0") == ("criticalkv", (8, 8), False)
     assert split_method("streaming@q4_0") == ("streaming", (2, None), False)
@@ -74,8 +74,13 @@ def test_methods_run_on_quantized_caches_as_method_at_cache():
     assert split_method("criticalkv+recall@kv-q8_0") == ("criticalkv", (8, 8), True)
     assert split_method("criticalkv+recall+every4@kv-q8_0") == ("criticalkv", (8, 8), True)
     assert [observe_every(m) for m in ("criticalkv", "criticalkv+every4", "snapkv+recall+every12@kv-q8_0")] == [1, 4, 12]
+    # +l2 / +l1: CriticalKV's value norm, wherever CriticalKV is (the engine's method_params)
+    assert split_method("criticalkv+l2+recall@kv-q8_0") == ("criticalkv", (8, 8), True)
+    assert split_method("criticalkv+adakv+l2") == ("criticalkv+adakv", (None, None), False)
+    assert [method_params(m) for m in ("criticalkv", "criticalkv+l2+recall", "criticalkv+l1@kv-q8_0")] == [
+        {}, {"value_norm": "l2"}, {"value_norm": "l1"}]
     for bad in ("full@kv-q8_0", "criticalkv@q3_k", "h2o@kv-q8_0", "kvslimmer+recall", "full+recall", "criticalkv+every0",
-                "criticalkv+every4+recall"):
+                "criticalkv+every4+recall", "snapkv+l2", "streaming+l1", "defensivekv+l2"):
         with pytest.raises(ValueError):
             split_method(bad)
     specs = plan(["m"], ["needle"], ["streaming@kv-q8_0", "criticalkv@kv-q8_0"], [0.1], ["question", "agnostic"], 0, 500)

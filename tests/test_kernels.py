@@ -148,7 +148,8 @@ def test_attention_keep_is_the_scorers_keep(inputs):
     for case in range(150):
         layer = random_layer(rng, votes_given=votes_given, half_values=inputs == "half values")
         snap = SnapKV(window_size=8, kernel_size=int(rng.choice([1, 7])), pooling=str(rng.choice(["max", "avg"])))
-        for scorer in (snap, CriticalKV(snap, first_stage_ratio=float(rng.choice([0.5, 0.3])))):
+        critical = CriticalKV(snap, first_stage_ratio=float(rng.choice([0.5, 0.3])), value_norm=("l1", "l2")[case % 2])
+        for scorer in (snap, critical):
             budget = int(rng.integers(0, layer.n + 3))
             mine, theirs = copy.deepcopy(layer), copy.deepcopy(layer)
             try:
@@ -168,7 +169,8 @@ def test_attention_keep_is_the_scorers_keep(inputs):
             more += extra.sum()
             if extra.any():
                 assert (layer.pos_h[extra] >= layer.n_sink).all()
-                exact = np.stack(projected_value_norms(layer.v.astype(np.float32), layer.wo, layer.n_head))
+                matrix, p = critical.norm_weights(layer)  # W_O (L1), or its factor (L2)
+                exact = np.stack(projected_value_norms(layer.v.astype(np.float32), matrix, layer.n_head, p=p))
                 np.testing.assert_array_equal(mine.vnorm[extra], exact[extra])
     assert refused == 0 if not votes_given else refused > 0
     assert more > 0 if not votes_given else more == 0

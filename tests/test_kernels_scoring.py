@@ -8,6 +8,7 @@ import pytest
 
 from kvlocal.compress import kernels
 from kvlocal.compress import numpy_kernels
+from kvlocal.compress.criticalkv import l2_factor
 
 _BEST = kernels.simd_level()
 LEVELS = kernels.SIMD_LEVELS[: kernels.SIMD_LEVELS.index(_BEST) + 1]
@@ -83,37 +84,58 @@ def test_window_votes_extreme_logits_and_shapes(level):
 @pytest.mark.parametrize(
     "n,d,n_head,group,big_d", [(150, 64, 9, 3, 576), (5, 3, 1, 1, 7), (33, 16, 4, 2, 100), (1, 1, 1, 1, 1)]
 )
-def test_vnorm_l1_matches_numpy(level, n, d, n_head, group, big_d):
+@pytest.mark.parametrize("p", [1, 2])
+def test_vnorm_matches_numpy(level, n, d, n_head, group, big_d, p):
     rng = np.random.default_rng(n * d)
     v = rng.standard_normal((n, d)).astype(np.float32)
     wo = (rng.standard_normal((big_d, n_head * d)) * 0.1).astype(np.float32)
     for first in range(0, n_head, group):  # every group's slice of W_O, read in place
-        np.testing.assert_allclose(kernels.vnorm_l1(v, wo, first, group), numpy_kernels.vnorm_l1(v, wo, first, group),
-                                   rtol=2e-5)
+        np.testing.assert_allclose(kernels.vnorm(v, wo, first, group, p=p),
+                                   numpy_kernels.vnorm(v, wo, first, group, p=p), rtol=2e-5)
     rows = rng.permutation(n)[: max(1, n // 3)]
-    np.testing.assert_allclose(kernels.vnorm_l1(v, wo, n_head - group, group, rows),
-                               numpy_kernels.vnorm_l1(v, wo, n_head - group, group, rows), rtol=2e-5)
+    np.testing.assert_allclose(kernels.vnorm(v, wo, n_head - group, group, rows, p),
+                               numpy_kernels.vnorm(v, wo, n_head - group, group, rows, p), rtol=2e-5)
 
 
-def test_vnorm_l1_is_the_l1_norm_of_the_projection(level):
-    # one row, one head: ||v W_O^h||_1 written out
+@pytest.mark.parametrize("d,n_head,group,big_d", [(64, 9, 3, 576), (64, 14, 7, 896), (8, 4, 2, 6), (3, 2, 1, 40)])
+def test_l2_norms_through_the_factor_are_those_through_wo(level, d, n_head, group, big_d):
+    # ||v W_O^h||_2 = ||v R_h^T||_2 with W_O^h^T = Q_h R_h: d columns per head instead of D, the same norms
+    # (big_d < d: a rank-deficient slice, whose R has rows of zeros)
+    rng = np.random.default_rng(d + big_d)
+    v = rng.standard_normal((50, d)).astype(np.float32)
+    wo = (rng.standard_normal((big_d, n_head * d)) * 0.1).astype(np.float32)
+    factor = l2_factor(wo, n_head)
+    assert factor.shape == (min(d, big_d), n_head * d)
+    for first in range(0, n_head, group):
+        np.testing.assert_allclose(kernels.vnorm(v, factor, first, group, p=2),
+                                   numpy_kernels.vnorm(v, wo, first, group, p=2), rtol=1e-5)
+    assert not np.allclose(kernels.vnorm(v, factor, 0, group, p=1), numpy_kernels.vnorm(v, wo, 0, group, p=1),
+                           rtol=1e-3)  # the factor keeps the L2 norm only
+
+
+def test_vnorm_is_the_norm_of_the_projection(level):
+    # one row, one head: ||v W_O^h||_1 and ||v W_O^h||_2 written out
     v = np.array([[1.0, -2.0]], np.float32)
     wo = np.array([[0, 0, 1, 0], [0, 0, 0, 1], [0, 0, 3, 1]], np.float32)  # D=3, heads of d=2
-    assert kernels.vnorm_l1(v, wo, 1, 1).tolist() == [1 + 2 + 1]
-    assert kernels.vnorm_l1(v, wo, 0, 2).tolist() == [(0 + 4) / 2]
+    assert kernels.vnorm(v, wo, 1, 1).tolist() == [1 + 2 + 1]
+    assert kernels.vnorm(v, wo, 0, 2).tolist() == [(0 + 4) / 2]
+    assert kernels.vnorm(v, wo, 1, 1, p=2).tolist() == [np.float32(np.sqrt(1 + 4 + 1))]
+    assert kernels.vnorm(v, wo, 0, 2, p=2).tolist() == [np.float32(np.sqrt(6)) / 2]
 
 
-def test_vnorm_l1_rows_edge_cases(level):
+def test_vnorm_rows_edge_cases(level):
     rng = np.random.default_rng(0)
     v = rng.standard_normal((10, 4)).astype(np.float32)
     wo = rng.standard_normal((6, 12)).astype(np.float32)
-    assert kernels.vnorm_l1(v, wo, 0, 3, np.zeros(0, np.int64)).shape == (0,)
-    np.testing.assert_allclose(kernels.vnorm_l1(v, wo, 1, 2, [9, 9, 0]), numpy_kernels.vnorm_l1(v, wo, 1, 2, [9, 9, 0]),
+    assert kernels.vnorm(v, wo, 0, 3, np.zeros(0, np.int64)).shape == (0,)
+    np.testing.assert_allclose(kernels.vnorm(v, wo, 1, 2, [9, 9, 0]), numpy_kernels.vnorm(v, wo, 1, 2, [9, 9, 0]),
                                rtol=2e-5)
     with pytest.raises(ValueError):
-        kernels.vnorm_l1(v, wo, 0, 1, [10])
+        kernels.vnorm(v, wo, 0, 1, [10])
     with pytest.raises(ValueError):
-        kernels.vnorm_l1(v, wo, 2, 2)  # heads 2..3 of d=4 do not fit in 12 columns
+        kernels.vnorm(v, wo, 2, 2)  # heads 2..3 of d=4 do not fit in 12 columns
+    with pytest.raises(ValueError, match="p must be 1 or 2"):
+        kernels.vnorm(v, wo, 0, 1, p=3)
 
 
 def test_levels_agree_closely():

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).parent / "reference"))  # tiny_gguf
 import tiny_gguf  # noqa: E402
 
 from conftest import run_cli  # noqa: E402
-from kvlocal.compress import numpy_kernels  # noqa: E402
+from kvlocal.compress import kernels, numpy_kernels  # noqa: E402
+from kvlocal.compress.criticalkv import l2_factor  # noqa: E402
 from kvlocal.engine import Engine  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
 from kvlocal.runtime import Context, Model  # noqa: E402
@@ -182,8 +183,30 @@ def test_score_matches_numpy_on_the_same_rows(smollm2_model, fa, chunk, monkeypa
         np.testing.assert_allclose(attn[i], ref, atol=1e-6)
         assert np.all(attn[i][:, 5] == 0)
         for h in range(hkv):
-            ref = numpy_kernels.vnorm_l1(v[h], wo[il], h * (hq // hkv), hq // hkv, cells)
+            ref = numpy_kernels.vnorm(v[h], wo[il], h * (hq // hkv), hq // hkv, cells)
             np.testing.assert_allclose(norms[i, h], ref, rtol=1e-5)
+
+
+def test_score_computes_l2_value_norms(smollm2_model):
+    """``norm_p=2`` (patch 0019): the device's L2 norms through W_O equal numpy's, and the host's through W_O's
+    d x d factor (:func:`~kvlocal.compress.criticalkv.l2_factor`, what the state backend computes); they are not
+    the L1 norms (the check can fail)."""
+    model = smollm2_model
+    ctx, kv, (n_layer, hq, hkv, d), rng, q = scoring_setup(model, False, seed=6)
+    cells = np.array([1, 4, 8, kv.n - 1])
+    _, l1 = ctx.score(q, 1 / math.sqrt(d), None, cells)
+    _, l2 = ctx.score(q, 1 / math.sqrt(d), None, cells, norm_p=2)
+    wo = output_projections(str(model.path))
+    g = hq // hkv
+    for i, il in enumerate(model.arch.full_layers):
+        v = kv.v[i].transpose(1, 0, 2).astype(np.float32)
+        factor = l2_factor(wo[il], hq)
+        for h in range(hkv):
+            np.testing.assert_allclose(l2[i, h], numpy_kernels.vnorm(v[h], wo[il], h * g, g, cells, p=2), rtol=1e-5)
+            np.testing.assert_allclose(l2[i, h], kernels.vnorm(v[h], factor, h * g, g, cells, p=2), rtol=1e-4)
+    assert np.all(l1 > 2 * l2)  # L1 over D = 576 dimensions is several times L2
+    with pytest.raises(ValueError, match="invalid arguments"):
+        ctx.score(q, 1 / math.sqrt(d), None, cells, norm_p=3)
 
 
 @pytest.mark.parametrize("cache", ["q8_0", "q4_0"])
@@ -209,10 +232,10 @@ def test_score_on_a_quantized_cache_matches_numpy_in_its_basis(smollm2_model, ca
         unrotated = numpy_kernels.window_votes(q[i], np.full(8, 10**6), k, kv.pos, bias[i])
         assert np.abs(unrotated - ref).max() > 100 * np.abs(attn[i] - ref).max()
         for h in range(hkv):
-            ref = numpy_kernels.vnorm_l1(v[h], wo[il], h * (hq // hkv), hq // hkv, cells)
+            ref = numpy_kernels.vnorm(v[h], wo[il], h * (hq // hkv), hq // hkv, cells)
             np.testing.assert_allclose(norms[i, h], ref, rtol=1e-4)
             stored = basis.keys(kv.v[i][:, h])  # the blocks decoded but not rotated back
-            unrotated = numpy_kernels.vnorm_l1(stored, wo[il], h * (hq // hkv), hq // hkv, cells)
+            unrotated = numpy_kernels.vnorm(stored, wo[il], h * (hq // hkv), hq // hkv, cells)
             assert np.abs(unrotated - ref).max() > 10 * np.abs(norms[i, h] - ref).max()
 
 
@@ -299,19 +322,29 @@ def run_engine(model, backend, method, tokens, budget, n_gen=24, **kw):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_native_and_state_keep_identical_sets_on_tiny_f32_models(tiny, arch):
+    """The same plans and replies on both backends where they compute the same arithmetic: CriticalKV's L1 value
+    norms (the default) through W_O on both. Its L2 norms are computed through W_O on the device and through
+    its d x d factor on the host (patch 0019, :func:`~kvlocal.compress.criticalkv.l2_factor`): equal up to float
+    rounding, so a near-tie may go the other way (3 of 300 slots once, on gemma3 with head budgets): at least
+    98% of the slots the same there."""
     model = Model(tiny[arch], n_gpu_layers=NGL)
     tokens = model.tokenize(sample_text())[:600]
     # criticalkv covers snapkv (its first stage) and criticalkv+adakv covers adakv's head budgets (-inf slots)
-    for method in ("streaming", "criticalkv", "criticalkv+adakv"):
+    l2 = {"value_norm": "l2"}
+    for method, params in (("streaming", {}), ("criticalkv", {}), ("criticalkv+adakv", {}), ("criticalkv", l2),
+                           ("criticalkv+adakv", l2)):
         # 200 generated tokens fill the 176 cells of slack: a decode-time event after the prefill's
         cells = 128 if "adakv" in method else 64  # head budgets share the cells: a mean of 64 per head
-        native, r_native = run_engine(model, "native", method, tokens, cells, n_gen=200, chunk=32, recent=16)
-        state, r_state = run_engine(model, "state", method, tokens, cells, n_gen=200, chunk=32, recent=16)
+        kw = dict(n_gen=200, chunk=32, recent=16, method_params=params)
+        native, r_native = run_engine(model, "native", method, tokens, cells, **kw)
+        state, r_state = run_engine(model, "state", method, tokens, cells, **kw)
         assert native.backend == "native" and state.backend == "state"
         assert native.stats.compression_events == state.stats.compression_events > native.prefill_events > 2, method
+        exact = params != l2
         for a, b in ((native.prompt_plan, state.prompt_plan), (native.last_plan, state.last_plan)):
-            assert np.array_equal(a.positions, b.positions), (arch, method)
-        assert r_native == r_state, (arch, method)
+            same = np.mean(a.positions == b.positions) if a.positions.shape == b.positions.shape else 0.0
+            assert same == 1 if exact else same >= 0.98, (arch, method, params, same)  # L1 on one side: 0.33-0.87
+        assert r_native == r_state or not exact, (arch, method)
         assert native.stats.host_kv_bytes == 0 < state.stats.host_kv_bytes
 
 

@@ -8,7 +8,7 @@
 
 Random inputs of a real model's shapes (the timings do not depend on the values). Each step is timed
 per layer (median over layers and repeats) and for all layers (median over repeats); "numpy" replaces
-the two scoring kernels (:func:`kvlocal.compress.kernels.window_votes`, :func:`kvlocal.compress.kernels.vnorm_l1`) by
+the two scoring kernels (:func:`kvlocal.compress.kernels.window_votes`, :func:`kvlocal.compress.kernels.vnorm`) by
 their readable numpy definitions (:mod:`kvlocal.compress.numpy_kernels`) and the F16 cache's conversion
 (:func:`kvlocal.compress.kernels.f16_heads_f32`) by numpy's; pooling and top-k stay native in both. The "event"
 rows' C column is ``keep()`` in one call (:func:`kvlocal.compress.kernels.attention_keep`), except the last
@@ -46,7 +46,7 @@ def make_layers(n_layer: int, n: int, n_head: int, n_kv: int, d: int, big_d: int
         vnorm = None
         if known > 0:
             group = n_head // n_kv
-            vnorm = np.stack([kernels.vnorm_l1(v[g], wo, g * group, group) for g in range(n_kv)])
+            vnorm = np.stack([kernels.vnorm(v[g], wo, g * group, group) for g in range(n_kv)])
             vnorm[rng.random(vnorm.shape) >= known] = np.nan
         layers.append(LayerInputs(k=rng.standard_normal((n_kv, n, d), dtype=np.float32), v=v, pos=pos,
                                   q=rng.standard_normal((n_head, w, d), dtype=np.float32), q_pos=q_pos, wo=wo,
@@ -68,14 +68,14 @@ def numpy_f16_heads(x: np.ndarray) -> np.ndarray:
 def numpy_definitions():
     """Swap the two scoring kernels and the F16 conversion for their numpy definitions, and run keep() as the
     scorers' numpy steps (not :func:`kvlocal.compress.snapkv.fused_keep`)."""
-    saved = kernels.window_votes, kernels.vnorm_l1, kernels.f16_heads_f32
-    kernels.window_votes, kernels.vnorm_l1 = numpy_kernels.window_votes, numpy_kernels.vnorm_l1
+    saved = kernels.window_votes, kernels.vnorm, kernels.f16_heads_f32
+    kernels.window_votes, kernels.vnorm = numpy_kernels.window_votes, numpy_kernels.vnorm
     kernels.f16_heads_f32 = numpy_f16_heads
     snapkv.FUSED = False
     try:
         yield
     finally:
-        kernels.window_votes, kernels.vnorm_l1, kernels.f16_heads_f32 = saved
+        kernels.window_votes, kernels.vnorm, kernels.f16_heads_f32 = saved
         snapkv.FUSED = True
 
 
@@ -110,7 +110,7 @@ def steps(budget: int):
     def vnorm_all(layer):
         group = layer.n_head // layer.n_kv
         for g in range(layer.n_kv):
-            kernels.vnorm_l1(layer.v[g], layer.wo, g * group, group)
+            kernels.vnorm(layer.v[g], layer.wo, g * group, group)
 
     def stage2_rows(layer, scores):
         b = np.full(layer.n_kv, min(budget, layer.n))

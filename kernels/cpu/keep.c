@@ -12,7 +12,7 @@
  *      order, pooled (kernel, max or avg), summed over the group's heads in order and divided by G;
  *      protected cells +inf, empty rows -inf;
  *   3. CriticalKV (vnorm given): stage 1 the top int(alpha * b) by that score, stage 2 ranks the rest
- *      by (score + eps) * ||v W_O||_1, the norms computed where vnorm[] is NaN (and written there) —
+ *      by (score + eps) * ||v W_O||_p (p = 1, or 2), the norms computed where vnorm[] is NaN (and written there) —
  *      and, if 1 to AHEAD_BELOW are, those of the rows stage 1 and the window hold (not the sinks'):
  *      reading W_O, not the arithmetic, is what a few rows cost, and a later event that ranks them (a
  *      new question's stage 1 differs, the window moves) then finds their norms instead of reading
@@ -69,7 +69,7 @@ static void position_order(const int * pos, int n, int * order, int * scratch) {
 /* the norms of KV head g's rows[0..m) whose values are F16 cells v16 [n][n_kv][d]: converted (exactly) row by
  * row, only these, then as from float32 rows; out [m]. Returns 0, or -1 (out of memory). */
 static int vnorm_f16_rows(const unsigned short * v16, int n_kv, int g, int d, const float * wo, int ld, int group,
-                          int D, const int * rows, int m, float * out) {
+                          int D, int p, const int * rows, int m, float * out) {
     float * vf = malloc(sizeof(float) * (size_t) m * d);
     if (!vf) {
         return -1;
@@ -77,7 +77,7 @@ static int vnorm_f16_rows(const unsigned short * v16, int n_kv, int g, int d, co
     for (int i = 0; i < m; i++) {
         kvl_f16_heads_f32(v16 + ((ptrdiff_t) rows[i] * n_kv + g) * d, 1, 1, d, vf + (ptrdiff_t) i * d);
     }
-    const int rc = kvl_vnorm_l1_f32(vf, m, d, wo, ld, group, D, NULL, m, out);
+    const int rc = kvl_vnorm_f32(vf, m, d, wo, ld, group, D, p, NULL, m, out);
     free(vf);
     return rc;
 }
@@ -85,10 +85,10 @@ static int vnorm_f16_rows(const unsigned short * v16, int n_kv, int g, int d, co
 int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, int n_head, int w,
                        const float * k, const float * v, const unsigned short * v16, const int * pos, const float * bias, int n_kv, int n, int d,
                        int n_sink, int recent, int kernel, int pool_kind,
-                       const float * wo, int ld, int D, double alpha, float eps, float * vnorm,
+                       const float * wo, int ld, int D, int norm_p, double alpha, float eps, float * vnorm,
                        const int * budget, int max_width, int * keep, int * width) {
     if (n_head <= 0 || n_kv <= 0 || n_head % n_kv != 0 || w < 0 || n < 0 || d <= 0 || kernel < 1 || kernel % 2 == 0 ||
-        (!votes && (!q || !k)) || (wo && (ld < n_head * d || D <= 0))) {
+        (!votes && (!q || !k)) || (wo && (ld < n_head * d || D <= 0 || (norm_p != 1 && norm_p != 2)))) {
         return -1;
     }
     const int group = n_head / n_kv;
@@ -194,8 +194,8 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
                     break;
                 }
                 const float * wg = wo + (ptrdiff_t) g * group * d;
-                if (v ? kvl_vnorm_l1_f32(v + (ptrdiff_t) g * n * d, n, d, wg, ld, group, D, rows, todo, scratch)
-                      : vnorm_f16_rows(v16, n_kv, g, d, wg, ld, group, D, rows, todo, scratch)) {
+                if (v ? kvl_vnorm_f32(v + (ptrdiff_t) g * n * d, n, d, wg, ld, group, D, norm_p, rows, todo, scratch)
+                      : vnorm_f16_rows(v16, n_kv, g, d, wg, ld, group, D, norm_p, rows, todo, scratch)) {
                     rc = -1;
                     break;
                 }

@@ -30,10 +30,10 @@ int kvl_window_votes_f32(const float * q, const int * q_pos, int n_head, int w, 
 /* Projected value norms (CriticalKV) of one KV head. v [n, d] values; wo the output projection in HF
  * layout (o_proj.weight [D, Hq*d], row stride ld floats), pointing at the first column of the n_group
  * query heads that read this KV head: W_O^h[i][c] = wo[c*ld + h*d + i] for h < n_group; rows [n_rows]
- * the value rows to use (NULL = all, then n_rows == n). Writes out[r] = mean over h of
- * sum_c |sum_i v[rows[r]][i] * W_O^h[i][c]|. Returns 0, or -1 on bad sizes, a row index out of range,
- * or when out of memory. */
-int kvl_vnorm_l1_f32(const float * v, int n, int d, const float * wo, int ld, int n_group, int D, const int * rows, int n_rows, float * out);
+ * the value rows to use (NULL = all, then n_rows == n). Writes out[r] = mean over h of the L1 (p = 1) or L2
+ * (p = 2) norm over c of sum_i v[rows[r]][i] * W_O^h[i][c]. Returns 0, or -1 on bad sizes, p not 1 or 2, a
+ * row index out of range, or when out of memory. */
+int kvl_vnorm_f32(const float * v, int n, int d, const float * wo, int ld, int n_group, int D, int p, const int * rows, int n_rows, float * out);
 
 /* Greedy non-overlapping adjacent pairs (KVSlimmer's pair selection) over m rows in position order.
  * Pair i joins rows i and i+1; order [m-1] lists the pair indices cheapest first. The pairs are taken
@@ -61,11 +61,11 @@ int kvl_gather_rows(const unsigned char * const * chunks, long long n_chunks, lo
  * w, d] and k [n_kv, n, d] (kvl_window_votes_f32); q_pos [w] the window queries' positions; pos [n_kv, n] (-1
  * = empty row), bias [n_kv, n] or NULL; recent < 0: the window is pos >= min(q_pos), else the `recent` latest
  * positions; vnorm [n_kv, n] the projected value norms (NaN = unknown: computed from v [n_kv, n, d] and
- * wo [D, ld], HF o_proj layout, where stage 2 needs them, and written there; with v NULL, from v16, an F16
+ * wo [D, ld], HF o_proj layout, as kvl_vnorm_f32's norm_p-norm, where stage 2 needs them, and written there; with v NULL, from v16, an F16
  * cache's cells [n][n_kv][d], converted row by row where needed). budget [n_kv]: each head keeps min(budget, live rows). Writes
  * keep [n_kv, max_width]: each head's cells in position order in its last slots, -1 before; *width: the most
  * any head keeps. Returns 0, -1 on bad sizes or out of memory, -2 when a norm is needed and v, v16 or wo is NULL. */
-int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, int n_head, int w, const float * k, const float * v, const unsigned short * v16, const int * pos, const float * bias, int n_kv, int n, int d, int n_sink, int recent, int kernel, int pool_kind, const float * wo, int ld, int D, double alpha, float eps, float * vnorm, const int * budget, int max_width, int * keep, int * width);
+int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, int n_head, int w, const float * k, const float * v, const unsigned short * v16, const int * pos, const float * bias, int n_kv, int n, int d, int n_sink, int recent, int kernel, int pool_kind, const float * wo, int ld, int D, int norm_p, double alpha, float eps, float * vnorm, const int * budget, int max_width, int * keep, int * width);
 
 /* The recall tier's candidates of one KV head (kernels/cpu/pages.c): q [m, d] the observation queries (in the
  * keys' basis, scaled), kmin/kmax [ceil(n / page), d] each page's element-wise key bounds, on_device [n] (1: the

@@ -44,7 +44,7 @@ def cmd_doctor(args) -> int:
         from kvlocal.compress import kernels
 
         kernels.topk([1.0, 3.0, 2.0], 1)
-        rows.append(("kernels", f"ok ({kernels.simd_level()}: pool1d, topk, window_votes, vnorm_l1)"))
+        rows.append(("kernels", f"ok ({kernels.simd_level()}: pool1d, topk, window_votes, vnorm)"))
     except ImportError as e:
         rows.append(("kernels", f"NOT BUILT: {e}"))
         problems += 1

@@ -27,6 +27,7 @@ import sys
 import time
 from importlib import resources
 
+from kvlocal.compress import method_params
 from kvlocal.engine import RECALL_ROOM, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS, Budget, Engine
 from kvlocal.errors import UsageError
 from kvlocal.runtime import CACHE_TYPES, Model, cache_type, resolve_backend
@@ -86,6 +87,11 @@ def run(args) -> int:
         raise UsageError("--step-every: give whole numbers of at least 1 (1: any answer step may swap)")
     if args.overhead and (min(args.chunks) < 1 or min(args.observe_every) < 1):
         raise UsageError("--chunks and --observe-every: give whole numbers of at least 1")
+    if args.value_norms and not args.overhead:
+        raise UsageError("--value-norms is a lever of --overhead: add --overhead")
+    if args.value_norms and "value_norm" not in method_params(args.method):
+        raise UsageError(f"--value-norms: --method {args.method} has no value norm; use criticalkv, criticalkv+adakv or "
+                         "criticalkv+kvslimmer")
     model = Model(args.model_path, n_gpu_layers=args.n_gpu_layers)
     if args.recall_cost or args.frontier:
         if any(n < 256 for n in args.contexts):
@@ -148,19 +154,19 @@ def run(args) -> int:
 
 def run_overhead(args, model: Model) -> int:
     """``--overhead``: what each lever against compression's cost buys, side by side on one prompt: every
-    ``--chunks`` (fewer, larger events; more cells) × ``--observe-every`` (fewer probe decodes) × ``--backends``
-    (default: the one ``auto`` picks), against the full cache."""
+    ``--chunks`` (fewer, larger events; more cells) × ``--observe-every`` (fewer probe decodes) × ``--value-norms``
+    (CriticalKV's L1 or the cheaper L2) × ``--backends`` (default: the one ``auto`` picks), against the full cache."""
     long = long_text(model, args.long)
-    grid = list(itertools.product(args.backends or ["auto"], args.chunks, args.observe_every))
+    grid = list(itertools.product(args.backends or ["auto"], args.chunks, args.observe_every, args.value_norms or [None]))
     print(f"[1/{1 + len(grid)}] full cache, {len(long)}-token prompt + {args.decode} decoded", file=sys.stderr, flush=True)
     full = measure(model, long, "full", "1", args.decode, args.threads)
     rows = []
-    for i, (backend, chunk, every) in enumerate(grid, 2):
+    for i, (backend, chunk, every, norm) in enumerate(grid, 2):
         print(f"[{i}/{1 + len(grid)}] {args.method} {args.budget} ({backend} backend), chunk {chunk}, observe every "
-              f"{every}", file=sys.stderr, flush=True)
+              f"{every}" + (f", {norm} value norms" if norm else ""), file=sys.stderr, flush=True)
         r = measure(model, long, args.method, args.budget, args.decode, args.threads, backend, chunk=chunk,
-                    observe_every=every)
-        rows.append(dict(chunk=chunk, observe_every=every, kv_bytes=r["kv_bytes_allocated"], n_ctx=r["n_ctx"],
+                    observe_every=every, method_params={"value_norm": norm} if norm else None)
+        rows.append(dict(chunk=chunk, observe_every=every, value_norm=norm, kv_bytes=r["kv_bytes_allocated"], n_ctx=r["n_ctx"],
                          ttft=r["prefill_seconds"], decode_tok_s=r["decode_tok_s"], events=r["compression_events"],
                          moved=r["observations_moved"], compression_seconds=r["compression_seconds"],
                          share=r["compression_seconds"] / r["prefill_seconds"], breakdown=r["compression_breakdown"],
@@ -172,11 +178,11 @@ def run_overhead(args, model: Model) -> int:
     mib = 2**20
     print(f"full cache: {full['kv_bytes_allocated'] / mib:.1f} MiB, TTFT {full['prefill_seconds']:.1f} s, "
           f"decode {full['decode_tok_s']:.1f} tok/s")
-    print(f"{'backend':>8} {'chunk':>6} {'observe':>8} {'n_ctx':>6} {'KV vs full':>10} {'TTFT vs full':>12} {'decode vs full':>14} "
+    print(f"{'backend':>8} {'chunk':>6} {'observe':>8} {'norm':>5} {'n_ctx':>6} {'KV vs full':>10} {'TTFT vs full':>12} {'decode vs full':>14} "
           f"{'events':>7} {'decoded':>8} {'share':>7} {'observe s':>10} {'score s':>8} {'apply s':>8}   target: share <= 5%")
     for r in rows:
         b = r["breakdown"]
-        print(f"{r['backend']:>8} {r['chunk']:>6} {r['observe_every']:>8} {r['n_ctx']:>6,} {r['kv_bytes'] / full['kv_bytes_allocated']:>9.3f}x "
+        print(f"{r['backend']:>8} {r['chunk']:>6} {r['observe_every']:>8} {r['value_norm'] or '-':>5} {r['n_ctx']:>6,} {r['kv_bytes'] / full['kv_bytes_allocated']:>9.3f}x "
               f"{r['ttft'] / full['prefill_seconds']:>11.2f}x {r['decode_tok_s'] / full['decode_tok_s']:>13.2f}x "
               f"{r['events']:>7} {r['events'] - r['moved']:>8} {100 * r['share']:>6.1f}% {b.get('observe', 0):>10.2f} "
               f"{b.get('score', 0) + b.get('read', 0):>8.2f} {b.get('apply', 0):>8.2f}")
@@ -345,6 +351,9 @@ def add_arguments(p) -> None:
     p.add_argument("--chunks", type=int, nargs="+", default=[128, 512], metavar="N", help="with --overhead (default 128 512)")
     p.add_argument("--observe-every", type=int, nargs="+", default=[1, 4], metavar="N",
                    help="with --overhead: events one probe decode scores (default 1 4)")
+    p.add_argument("--value-norms", nargs="+", choices=["l1", "l2"], metavar="NORM",
+                   help="with --overhead and a CriticalKV method: the value norm's lever, l1 and/or l2 "
+                        "(default: the method's; docs/engine.md)")
     p.add_argument("--plot", metavar="FILE", help="with --frontier: a figure (PNG) of the table against the context")
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384], metavar="N",
                    help="context lengths for --recall-cost and --frontier (default 4096 8192 16384)")

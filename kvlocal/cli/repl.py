@@ -9,6 +9,7 @@ works the same way: one message per line, commands included, each echoed to stde
 from __future__ import annotations
 
 import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Callable, Iterator
@@ -313,6 +314,9 @@ def run(args) -> int:
                      f"{s.budget_cells:,} cells ({s.kv_cells_allocated:,} allocated, {s.kv_bytes / 2**20:.0f} MiB) · "
                      f"{info.describe()}")
             if interactive:
+                # Ctrl-C stops a reply even where the parent ignored SIGINT (a shell's background job, a launcher):
+                # an ignored disposition is inherited, and Python then installs no KeyboardInterrupt for it
+                signal.signal(signal.SIGINT, signal.default_int_handler)
                 repl.say("Type a message, /help for commands; Ctrl-C stops a reply, Ctrl-D exits.")
             for f in args.file or []:
                 repl.dispatch(f"/read {shlex.quote(f)}")

@@ -27,7 +27,7 @@ import dataclasses
 
 from kvlocal.compress.adakv import AdaKV, head_budgets
 from kvlocal.compress.base import LayerInputs, Scorer, native_scoring, plan_layers, select, top_cells
-from kvlocal.compress.criticalkv import CriticalKV, projected_value_norms
+from kvlocal.compress.criticalkv import CriticalKV, norm_p, projected_value_norms
 from kvlocal.compress.defensivekv import DefensiveKV
 from kvlocal.compress.evict_merge import EvictThenMerge
 from kvlocal.compress.full import Full
@@ -166,6 +166,7 @@ __all__ = [
     "make_scorer",
     "method_params",
     "native_scoring",
+    "norm_p",
     "observation_window",
     "plan_layers",
     "projected_value_norms",

@@ -296,9 +296,9 @@ def window_votes(q, q_pos, k, pos, bias=None) -> np.ndarray:
     return (kernels.window_votes if native_scoring() else numpy_kernels.window_votes)(q, q_pos, k, pos, bias)
 
 
-def vnorm_l1(v, wo, first_head, n_group, rows=None) -> np.ndarray:
-    """:func:`kvlocal.compress.kernels.vnorm_l1`, or its numpy definition where that is faster (:func:`native_scoring`)."""
-    return (kernels.vnorm_l1 if native_scoring() else numpy_kernels.vnorm_l1)(v, wo, first_head, n_group, rows)
+def vnorm(v, wo, first_head, n_group, rows=None, p=1) -> np.ndarray:
+    """:func:`kvlocal.compress.kernels.vnorm`, or its numpy definition where that is faster (:func:`native_scoring`)."""
+    return (kernels.vnorm if native_scoring() else numpy_kernels.vnorm)(v, wo, first_head, n_group, rows, p)
 
 
 def as_f32(rows: np.ndarray) -> np.ndarray:

@@ -74,14 +74,18 @@ def window_votes(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, pos: np.ndarra
     return out
 
 
-def vnorm_l1(v: np.ndarray, wo: np.ndarray, first_head: int, n_group: int,
-             rows: np.ndarray | None = None) -> np.ndarray:
-    """``mean_h ||v[r] · W_O^h||_1`` over the query heads ``h = first_head .. first_head+n_group-1``: ``[m]`` float32.
+def vnorm(v: np.ndarray, wo: np.ndarray, first_head: int, n_group: int,
+          rows: np.ndarray | None = None, p: int = 1) -> np.ndarray:
+    """``mean_h ||v[r] · W_O^h||_p`` over the query heads ``h = first_head .. first_head+n_group-1``: ``[m]`` float32.
 
     v: [n, d] values of one KV head; wo: [D, Hq*d] the layer's output projection in HF layout
-    (``o_proj.weight``; ``W_O^h = wo[:, h*d:(h+1)*d].T``, read in place, no transposed copy); rows:
-    optional cell indices (default all n). Readable numpy version: ``kvlocal.compress.numpy_kernels.vnorm_l1``.
+    (``o_proj.weight``; ``W_O^h = wo[:, h*d:(h+1)*d].T``, read in place, no transposed copy), or for ``p=2`` its
+    ``[d, Hq*d]`` factor (:func:`kvlocal.compress.criticalkv.l2_factor`: the same norms); rows: optional cell
+    indices (default all n); p: 1 (L1, the CriticalKV paper's) or 2 (L2). Readable numpy version:
+    ``kvlocal.compress.numpy_kernels.vnorm``.
     """
+    if p not in (1, 2):
+        raise ValueError(f"p must be 1 or 2, got {p}")
     r = None if rows is None else _i32(rows).reshape(-1)
     if r is not None and r.size and (r.min() < 0 or r.max() >= v.shape[0]):
         raise ValueError(f"row index out of range for {v.shape[0]} rows")
@@ -95,10 +99,10 @@ def vnorm_l1(v: np.ndarray, wo: np.ndarray, first_head: int, n_group: int,
     m = n if r is None else r.shape[0]
     out = np.empty(m, dtype=np.float32)
     w_ptr = ffi.cast("float *", ffi.from_buffer(wo)) + first_head * d
-    rc = lib.kvl_vnorm_l1_f32(_ptr(v, "float *"), n, d, w_ptr, ld, n_group, big_d,
-                              ffi.NULL if r is None else _ptr(r, "int *"), m, _ptr(out, "float *"))
+    rc = lib.kvl_vnorm_f32(_ptr(v, "float *"), n, d, w_ptr, ld, n_group, big_d, p,
+                           ffi.NULL if r is None else _ptr(r, "int *"), m, _ptr(out, "float *"))
     if rc != 0:
-        raise MemoryError("kvl_vnorm_l1_f32 failed (out of memory)")
+        raise MemoryError("kvl_vnorm_f32 failed (out of memory)")
     return out
 
 
@@ -215,14 +219,15 @@ _simd_level = None
 
 
 def attention_keep(votes, q, q_pos, k, v, pos, bias, *, n_sink: int, recent: int | None, kernel: int, pooling: str,
-                   budget: int, wo=None, vnorm=None, alpha: float = 0.5, epsilon: float = 1e-4) -> np.ndarray:
+                   budget: int, wo=None, vnorm=None, norm_p: int = 1, alpha: float = 0.5, epsilon: float = 1e-4) -> np.ndarray:
     """One layer's kept cells ``[Hkv, B]`` under SnapKV, or CriticalKV over SnapKV where ``vnorm`` is given —
     what ``SnapKV().keep`` / ``CriticalKV(SnapKV()).keep`` return, in one call (kernels/cpu/keep.c).
 
     votes: ``[Hq, n]`` window votes, or None to compute them from q ``[Hq, w, d]`` (the window queries) and
     k ``[Hkv, n, d]``; q_pos ``[w]``; pos ``[Hkv, n]`` (-1: empty row); bias ``[Hkv, n]`` or None; recent: the
     protected recent span (None: the cells at or after the first window query). vnorm ``[Hkv, n]`` float32,
-    NaN where unknown: the norms stage 2 needs are computed from v and wo (``[D, Hq*d]``) and written into
+    NaN where unknown: the norms stage 2 needs are computed from v and wo (``[D, Hq*d]``, or its factor for ``norm_p=2``:
+    :func:`vnorm`) as ``norm_p``-norms and written into
     it; v may be float16 (an F16 cache's rows, a ``[Hkv, n, d]`` view of its cells ``[n, Hkv, d]``): then only the
     rows that need a norm are converted. ``budget``: each head keeps ``min(budget, live rows)``."""
     hkv, n = pos.shape
@@ -248,7 +253,7 @@ def attention_keep(votes, q, q_pos, k, v, pos, bias, *, n_sink: int, recent: int
                                 ptr(v16, "unsigned short *"), _ptr(p, "int *"),
                                 ptr(bias), hkv, n, d, n_sink, -1 if recent is None else recent, kernel,
                                 POOL_KINDS[pooling], ptr(wo), wo.shape[1] if wo is not None else 0,
-                                wo.shape[0] if wo is not None else 0, alpha, np.float32(epsilon), ptr(vn),
+                                wo.shape[0] if wo is not None else 0, norm_p, alpha, np.float32(epsilon), ptr(vn),
                                 _ptr(budgets, "int *"), max_width, _ptr(keep, "int *"), width)
     if rc == -2:
         raise ValueError("CriticalKV without v needs the norms of every cell it ranks")

@@ -47,13 +47,14 @@ def window_votes(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, pos: np.ndarra
     return window_attention(q, q_pos, k, pos, bias).mean(axis=1).astype(np.float32)
 
 
-def vnorm_l1(v: np.ndarray, wo: np.ndarray, first_head: int, n_group: int,
-             rows: np.ndarray | None = None) -> np.ndarray:
-    """``mean_h ||v[r] · W_O^h||_1``: ``[m]``. Same contract as :func:`kvlocal.compress.kernels.vnorm_l1`."""
+def vnorm(v: np.ndarray, wo: np.ndarray, first_head: int, n_group: int,
+          rows: np.ndarray | None = None, p: int = 1) -> np.ndarray:
+    """``mean_h ||v[r] · W_O^h||_p``: ``[m]``. Same contract as :func:`kvlocal.compress.kernels.vnorm`."""
     d = v.shape[1]
-    v = v if rows is None else v[np.asarray(rows)]
+    v = np.asarray(v if rows is None else v[np.asarray(rows)], dtype=np.float32)
     heads = range(first_head, first_head + n_group)
-    return np.mean([np.abs(v @ wo[:, h * d : (h + 1) * d].T).sum(axis=-1) for h in heads], axis=0).astype(np.float32)
+    return np.mean([np.linalg.norm(v @ wo[:, h * d : (h + 1) * d].T, ord=p, axis=-1) for h in heads],
+                   axis=0).astype(np.float32)
 
 
 def greedy_pairs(mass: np.ndarray, n_pairs: int) -> np.ndarray:

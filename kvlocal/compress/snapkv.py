@@ -84,15 +84,16 @@ def fused_keep(snap: SnapKV, layer: LayerInputs, budget: int, critical=None) -> 
             or (critical is not None and layer.wo is None and layer.v is not None)):
         return None
     w = snap.window_size
-    vnorm = None
+    vnorm, (wo, p) = None, (None, 1)
     if critical is not None:
         vnorm = layer.vnorm if layer.vnorm is not None else np.full((layer.n_kv, layer.n), np.nan, np.float32)
+        wo, p = critical.norm_weights(layer)
     try:
         return kernels.attention_keep(
             layer.votes, None if layer.votes is not None else layer.q[:, -w:], layer.q_pos[-w:], layer.k,
             None if critical is None else layer.v, layer.pos_h, layer.bias, n_sink=layer.n_sink,
             recent=layer.recent, kernel=snap.kernel_size, pooling=snap.pooling, budget=budget,
-            wo=None if critical is None else layer.wo, vnorm=vnorm,
+            wo=wo, vnorm=vnorm, norm_p=p,
             alpha=0.5 if critical is None else critical.first_stage_ratio,
             epsilon=1e-4 if critical is None else critical.epsilon)
     except ValueError as e:

@@ -56,7 +56,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, observation_window, plan_layers
+from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, norm_p, observation_window, plan_layers
 from kvlocal.engine.config import OBSERVE_EVERY, PLAN_WORKERS, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_ROOM, RECALL_STEP_EVERY, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
 from kvlocal.engine.interrupts import interrupts_deferred
 from kvlocal.engine.observation import Observations, Rope
@@ -111,11 +111,12 @@ class Engine(Reselection):
         recall_step_every: int = RECALL_STEP_EVERY,
         recall_room: int = RECALL_ROOM,
         observe_every: int = OBSERVE_EVERY,
+        method_params: dict | None = None,
     ):
         budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
         self.cfg = EngineConfig(budget, method, chunk, recent, n_sink, max_tokens, observe_every)
         self.cfg.validate()
-        self.scorer = make_scorer(method)
+        self.scorer = make_scorer(method, **(method_params or {}))  # e.g. {"value_norm": "l2"} (CriticalKV)
         recall = resolve_recall(recall, method)
         resolve_backend(backend, type_k, type_v, recall=recall)  # a refusal before the model loads
         if method in BIAS_METHODS and not has_attention_bias():
@@ -165,7 +166,8 @@ class Engine(Reselection):
                                  kv_bytes_full=sum(kv_cache_bytes(m, pad_cells(max_tokens), bias=False,
                                                                   bytes_per_elem=self.bytes_per_value)))
         # where events read and write the cache, and its record of each row's true position and count
-        self.kv = make_backend(self.backend, self.ctx, self.layers, m.n_head_kv, self.head_dim, self.basis, self._wo)
+        self.kv = make_backend(self.backend, self.ctx, self.layers, m.n_head_kv, self.head_dim, self.basis, self._wo,
+                               norm_p(self.scorer))
         # the recall tier: every row an event evicts, brought back by a later question (:meth:`recall`)
         if recall_span not in ("page", "row"):
             raise UsageError(f"recall_span {recall_span!r}: choose page or row")

@@ -15,7 +15,8 @@ the recall tier, ``METHOD+recall`` (``criticalkv+recall``, ``criticalkv+recall@k
 wait on the host and the question re-selects the cache before it is decoded, as ``kvlocal run`` and a chat
 do; without the suffix a method runs with recall off. ``+everyN`` (``criticalkv+every4``): the prompt's compression
 events decode the probe once in N and are otherwise scored by its queries moved by RoPE (the engine's
-``observe_every``; kvlocal/engine/observation.py).
+``observe_every``; kvlocal/engine/observation.py). ``+l2`` / ``+l1`` (``criticalkv+l2``, ``criticalkv+l2+recall``): the
+value norm CriticalKV ranks by, the paper's L1 (the default) or L2 (its ``value_norm``; docs/engine.md).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 from kvlocal.engine import Engine
 from kvlocal.models import cache_dir, sha256_file
 from kvlocal.runtime import Model
-from kvlocal.compress import MERGING_METHODS, METHODS
+from kvlocal.compress import MERGING_METHODS, METHODS, method_params as scorer_params
 from kvlocal.runtime import Sampler
 from kvlocal.chat.session import ChatSession
 from kvlocal.eval.metrics import compare_logits
@@ -53,6 +54,15 @@ RECALL = "+recall"  # the suffix of a method run with the recall tier
 EVERY = re.compile(r"\+every(\d+)$")  # the suffix of a method whose probe is decoded once in N events
 
 
+NORMS = ("l1", "l2")  # a part of a method's name (criticalkv+l2): CriticalKV's value_norm
+
+
+def method_params(name: str) -> dict:
+    """The engine's ``method_params`` for a method as the eval names it (``+l1``, ``+l2``: the value norm)."""
+    norm = [part for part in name.partition("@")[0].split("+")[1:] if part in NORMS]
+    return {"value_norm": norm[-1]} if norm else {}
+
+
 def observe_every(name: str) -> int:
     """The engine's ``observe_every`` for a method as the eval names it (``+everyN``; 1 without)."""
     m = EVERY.search(name.partition("@")[0])
@@ -69,11 +79,13 @@ def split_method(name: str) -> tuple[str, tuple[int | None, int | None], bool]:
     if every and int(every.group(1)) < 1:
         raise ValueError(name)
     method = EVERY.sub("", method)
+    norm = any(part in NORMS for part in method.split("+")[1:])
+    method = "+".join(part for i, part in enumerate(method.split("+")) if i == 0 or part not in NORMS)
     recall = method.endswith(RECALL)
     method = method.removesuffix(RECALL)
     if not (method in EVICTION or method == "full" and not cache and not recall) or (cache and cache not in CACHES):
         raise ValueError(name)
-    if recall and method in MERGING_METHODS:
+    if (recall and method in MERGING_METHODS) or (norm and "value_norm" not in scorer_params(method)):
         raise ValueError(name)
     return method, CACHES[cache] if cache else (None, None), recall
 QUERY_FREE = ("streaming",)  # methods that never look at the probe: one observation mode, "-"
@@ -164,7 +176,7 @@ class Runner:
         method, (type_k, type_v), recall = split_method(spec.method)
         return Engine(self.model, "1" if method == "full" else spec.budget, method, max_tokens=max_tokens,
                       n_threads=self.n_threads, type_k=type_k, type_v=type_v, recall=recall,
-                      observe_every=observe_every(spec.method))
+                      observe_every=observe_every(spec.method), method_params=method_params(spec.method))
 
     def run(self, spec: Spec, n_items: int | None = None) -> dict:
         """One spec over its task's items -> the record (without the command)."""

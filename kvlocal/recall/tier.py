@@ -3,7 +3,7 @@ per compressed layer and KV head, in pages with a key summary.
 
 A row is what one KV head of one layer attends to for one token: its K and V exactly as the cache stores
 them (F16/F32 values, or the raw blocks of a q8_0/q4_0 cache, copied byte for byte), its true source
-position and, when known, its projected value norm (CriticalKV's ``||v W_O||_1``, which depends only on
+position and, when known, its projected value norm (CriticalKV's ``||v W_O||``, which depends only on
 the row). Rows are identified by (layer, KV head, position): a token's row is stored once, the first
 time it leaves; when a later question brings it back it stays here, flagged as on the device, so that
 leaving again costs nothing.

@@ -25,9 +25,11 @@ from kvlocal.runtime.weights import output_projections
 BACKENDS = {"native": NativeBackend, "state": StateBackend}
 
 
-def make_backend(name: str, ctx: Context, layers, n_head_kv: int, head_dim: int, basis=None, wo=None) -> KVBackend:
-    """The KV backend ``name`` (``native`` or ``state``, as :func:`resolve_backend` returns) on ``ctx``."""
-    return BACKENDS[name](ctx, layers, n_head_kv, head_dim, basis=basis, wo=wo)
+def make_backend(name: str, ctx: Context, layers, n_head_kv: int, head_dim: int, basis=None, wo=None,
+                 norm_p: int = 1) -> KVBackend:
+    """The KV backend ``name`` (``native`` or ``state``, as :func:`resolve_backend` returns) on ``ctx``; ``norm_p``:
+    the p of the value norms the scorer ranks by (:func:`kvlocal.compress.criticalkv.norm_p`)."""
+    return BACKENDS[name](ctx, layers, n_head_kv, head_dim, basis=basis, wo=wo, norm_p=norm_p)
 
 
 __all__ = [

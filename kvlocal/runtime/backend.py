@@ -143,9 +143,9 @@ class KVBackend:
 
     name = ""
 
-    def __init__(self, ctx, layers, n_head_kv: int, head_dim: int, basis=None, wo=None):
+    def __init__(self, ctx, layers, n_head_kv: int, head_dim: int, basis=None, wo=None, norm_p: int = 1):
         self.ctx, self.layers, self.n_head_kv, self.head_dim = ctx, list(layers), n_head_kv, head_dim
-        self.basis, self.wo = basis, wo
+        self.basis, self.wo, self.norm_p = basis, wo, norm_p  # norm_p: the scorer's value norm (1: L1, 2: L2)
         self.record = RowRecord.empty(len(self.layers), n_head_kv)
         self.scratch = Scratch()
         self.host_kv_bytes = 0

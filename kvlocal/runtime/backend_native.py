@@ -89,7 +89,7 @@ class NativeBackend(KVBackend):
         need = np.flatnonzero(unknown.any(axis=(0, 1))) if self.wo is not None else None
         device_bias = None if bias is None else bias[:, :, :n]
         if host is None:
-            votes, norms = self.ctx.score(qs, scale, device_bias, need)
+            votes, norms = self.ctx.score(qs, scale, device_bias, need, norm_p=self.norm_p)
         else:
             logits = self._host_logits(self.basis.queries(qs), host, None if bias is None else bias[:, :, n:], scale)  # [L, Hq, w, m]
             with np.errstate(invalid="ignore", divide="ignore"):
@@ -98,7 +98,7 @@ class NativeBackend(KVBackend):
                 e = np.exp(logits - np.where(seen, peak, 0)[..., None])  # once: for the logsumexp and the weights
                 total = e.sum(axis=3)
                 lse = np.where(seen, peak + np.log(total), -np.inf)
-                votes, norms, share = self.ctx.score(qs, scale, device_bias, need, outside=lse)
+                votes, norms, share = self.ctx.score(qs, scale, device_bias, need, outside=lse, norm_p=self.norm_p)
                 host_votes = (e * np.nan_to_num(np.where(seen, share / total, 0))[..., None]).mean(axis=2)
             votes = np.concatenate([votes, host_votes.astype(np.float32)], axis=2)
             if self.wo is not None:
@@ -140,7 +140,7 @@ class NativeBackend(KVBackend):
         compressed layer ``i``, on the host."""
         wo = self.wo[self.layers[i]]  # [n_embd, Hq * d_v]
         group = wo.shape[1] // self._hd_v // self.n_head_kv
-        return kernels.vnorm_l1(self.basis.values(v).astype(np.float32), wo, h * group, group)
+        return kernels.vnorm(self.basis.values(v).astype(np.float32), wo, h * group, group, p=self.norm_p)
 
     def apply(self, read: CacheRead, plan: Plan) -> None:
         """Move the kept device rows on the device (``llama_kv_compact``), then write the rows that come from the

@@ -202,7 +202,7 @@ class CacheBasis:
         return raw, self.k_codec.decode(raw)
 
     def values(self, rows: np.ndarray) -> np.ndarray:
-        """Cache rows → float32 values as the model computed them (rotated back), for ``‖v·W_O‖₁``."""
+        """Cache rows → float32 values as the model computed them (rotated back), for ``‖v·W_O‖``."""
         if self.v_codec is None:
             return as_f32(rows)
         v = self.v_codec.decode(rows)

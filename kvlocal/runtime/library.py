@@ -14,7 +14,7 @@ from kvlocal.errors import UsageError
 # everything in runtime/ was checked against this one.
 REQUIRED_LLAMA_CPP_PYTHON = "0.3.36"
 # LLAMA_KVLOCAL_ABI_VERSION written by the last patch in ggml_patches/
-REQUIRED_PATCH_ABI = 12
+REQUIRED_PATCH_ABI = 13
 
 BUILD_HINT = "run `python ggml_patches/build.py` (see README)"
 
@@ -122,7 +122,8 @@ def patch_functions():
             "llama_kv_score", ctypes.c_int32,
             [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_int32, ctypes.c_float,
              ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int32),
-             ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_float)],
+             ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_int32, ctypes.POINTER(ctypes.c_float),
+             ctypes.POINTER(ctypes.c_float)],
         ),
         **{name: _symbol(
             f"llama_kv_{name}", ctypes.c_int32,

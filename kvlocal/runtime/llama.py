@@ -324,15 +324,15 @@ class Context:
             raise ValueError(f"llama_kv_compact refused: {why}")
 
     def score(self, q: np.ndarray, scale: float, bias: np.ndarray | None = None,
-              vnorm_cells: np.ndarray | None = None, outside: np.ndarray | None = None):
-        """Score the cells of sequence 0 on their device (``llama_kv_score``, patches 0011, 0013).
+              vnorm_cells: np.ndarray | None = None, outside: np.ndarray | None = None, norm_p: int = 1):
+        """Score the cells of sequence 0 on their device (``llama_kv_score``, patches 0011, 0013, 0019).
 
         ``q``: ``[n_layer, Hq, w, d]`` float32 window queries after RoPE, as the model computed them (a quantized
         cache's rotated basis is applied on the device) (the compressed layers), logits
         ``scale * q·k + bias`` (``bias`` ``[n_layer, Hkv, n]``, None: 0). Returns the softmax attention of
         each query head averaged over the window, ``[n_layer, Hq, n]`` (cells in :meth:`cells` order), and
-        for the cells ``vnorm_cells`` the projected value norm ``mean_h ||v · W_O^h||_1`` over each KV
-        head's query heads, ``[n_layer, Hkv, len(vnorm_cells)]`` (None without cells). ``outside``
+        for the cells ``vnorm_cells`` the projected value norm ``mean_h ||v · W_O^h||_p`` (``p = norm_p``, 1 or 2)
+        over each KV head's query heads, ``[n_layer, Hkv, len(vnorm_cells)]`` (None without cells). ``outside``
         ``[n_layer, Hq, w]``: the log of a softmax mass outside the cells (rows on the host), normalized
         over with them; then a third result, each query's softmax weight of it ``[n_layer, Hq, w]``."""
         fn = patch_functions()["score"]
@@ -355,7 +355,7 @@ class Context:
         f32 = ctypes.POINTER(ctypes.c_float)
         rc = fn(self._ptr, 0, q.ctypes.data_as(f32), w, float(scale), None if b is None else b.ctypes.data_as(f32),
                 attn.ctypes.data_as(f32), cells.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(cells),
-                vnorm.ctypes.data_as(f32), None if x is None else x.ctypes.data_as(f32),
+                vnorm.ctypes.data_as(f32), int(norm_p), None if x is None else x.ctypes.data_as(f32),
                 None if x is None else x_attn.ctypes.data_as(f32))
         if rc != n:
             raise ValueError(f"llama_kv_score refused: {'the graph failed' if rc == -3 else 'invalid arguments'}")

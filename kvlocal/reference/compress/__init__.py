@@ -4,7 +4,7 @@ Eviction scorers follow one contract (see :mod:`.base`) and compose by wrapping:
 
     SnapKV()                          # window-attention vote, pooled, GQA mean
     StreamingLLM()                    # sinks + most recent
-    CriticalKV(SnapKV())              # two-stage: attention, then attention x ||v W_O||_1
+    CriticalKV(SnapKV())              # two-stage: attention, then attention x ||v W_O||_1 (value_norm)
     DefensiveKV()                     # worst-case (max) window attention with a head prior, x ||v W_O||_1
     AdaKV(CriticalKV(SnapKV()))       # head-wise budgets (AdaKV outermost)
 

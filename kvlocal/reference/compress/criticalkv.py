@@ -12,12 +12,12 @@ from kvlocal.reference.compress.base import Observation, Scorer, order_desc
 from kvlocal.reference.compress.snapkv import SnapKV
 
 
-def projected_value_norms(v: torch.Tensor, wo: torch.Tensor, n_head: int) -> torch.Tensor:
-    """``||v · W_O^h||_1`` per row, averaged over the query heads of each GQA group.
+def projected_value_norms(v: torch.Tensor, wo: torch.Tensor, n_head: int, p: int = 1) -> torch.Tensor:
+    """``||v · W_O^h||_p`` per row (p = 1, the paper's, or 2), averaged over the query heads of each GQA group.
 
     v: [Hkv, S, d] (the cache's values; mean values for merged slots); wo: [D, Hq*d], HF ``o_proj.weight``.
     ``W_O^h = wo[:, h*d:(h+1)*d].T`` ([d, D]) is the slice of *query* head ``h``, which reads KV head
-    ``h // G``. L1 over the hidden dimension D, then mean over the G query heads. Returns [Hkv, S], fp32.
+    ``h // G``. The norm over the hidden dimension D, then mean over the G query heads. Returns [Hkv, S], fp32.
     One head at a time so that no [Hq, S, D] tensor is built (as in kvpress).
     """
     hkv, s, d = v.shape
@@ -25,7 +25,7 @@ def projected_value_norms(v: torch.Tensor, wo: torch.Tensor, n_head: int) -> tor
     wo = wo.to(torch.float32)
     norms = torch.zeros(n_head, s)
     for h in range(n_head):
-        norms[h] = (v[h // group].to(torch.float32) @ wo[:, h * d : (h + 1) * d].T).abs().sum(dim=-1)
+        norms[h] = torch.linalg.vector_norm(v[h // group].to(torch.float32) @ wo[:, h * d : (h + 1) * d].T, ord=p, dim=-1)
     return norms.view(hkv, group, s).mean(dim=1)
 
 
@@ -50,7 +50,7 @@ def two_stage(scores: torch.Tensor, vnorm: torch.Tensor, budgets: torch.Tensor, 
 
 @dataclass
 class CriticalKV(Scorer):
-    """Wraps an attention scorer; keeps half the budget by attention, the rest by attention x ``||v W_O||_1``.
+    """Wraps an attention scorer; keeps half the budget by attention, the rest by attention x ``||v W_O||``.
 
     Based on https://arxiv.org/abs/2502.03805 (CriticalKV), as kvpress's ``CriticalKVPress``. The
     budget-free :meth:`score` is the inner press's score: budget allocation (AdaKV) uses the base scores,
@@ -68,11 +68,14 @@ class CriticalKV(Scorer):
     first_stage_ratio : float
         Fraction ``alpha`` of each head's budget chosen by attention alone (stage 1); ``int(alpha*b)``
         rows. kvpress floors the stage-1 count at 1; here ``b = 1`` gives a pure stage 2.
+    value_norm : str
+        ``"l1"`` over D (the paper's, the default) or ``"l2"`` (the paper's ablation: similar gains).
     """
 
     press: Scorer = field(default_factory=SnapKV)
     epsilon: float = 1e-4
     first_stage_ratio: float = 0.5
+    value_norm: str = "l1"
 
     def score(self, kv: LayerKV, obs: Observation) -> torch.Tensor:
         return self.press.score(kv, obs)
@@ -81,5 +84,5 @@ class CriticalKV(Scorer):
         if obs.wo is None or obs.q is None:
             raise ValueError("CriticalKV needs obs.wo (o_proj weight [D, Hq*d]) and obs.q (for Hq)")
         scores = self.press.rerank(kv, obs, scores, budgets)
-        vnorm = projected_value_norms(kv.v, obs.wo, obs.q.shape[0])
+        vnorm = projected_value_norms(kv.v, obs.wo, obs.q.shape[0], {"l1": 1, "l2": 2}[self.value_norm])
         return two_stage(scores, vnorm, budgets, kv.pos, self.first_stage_ratio, self.epsilon)
