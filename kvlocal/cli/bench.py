@@ -90,8 +90,8 @@ def run(args) -> int:
     if args.value_norms and not args.overhead:
         raise UsageError("--value-norms is a lever of --overhead: add --overhead")
     if args.value_norms and "value_norm" not in method_params(args.method):
-        raise UsageError(f"--value-norms: --method {args.method} has no value norm; use criticalkv, criticalkv+adakv or "
-                         "criticalkv+kvslimmer")
+        raise UsageError(f"--value-norms: --method {args.method} has no value norm; use criticalkv, "
+                         "criticalkv+adakv or criticalkv+kvslimmer")
     model = Model(args.model_path, n_gpu_layers=args.n_gpu_layers)
     if args.recall_cost or args.frontier:
         if any(n < 256 for n in args.contexts):
@@ -157,7 +157,8 @@ def run_overhead(args, model: Model) -> int:
     ``--chunks`` (fewer, larger events; more cells) × ``--observe-every`` (fewer probe decodes) × ``--value-norms``
     (CriticalKV's L1 or the cheaper L2) × ``--backends`` (default: the one ``auto`` picks), against the full cache."""
     long = long_text(model, args.long)
-    grid = list(itertools.product(args.backends or ["auto"], args.chunks, args.observe_every, args.value_norms or [None]))
+    grid = list(itertools.product(args.backends or ["auto"], args.chunks, args.observe_every,
+                                  args.value_norms or [None]))
     print(f"[1/{1 + len(grid)}] full cache, {len(long)}-token prompt + {args.decode} decoded", file=sys.stderr, flush=True)
     full = measure(model, long, "full", "1", args.decode, args.threads)
     rows = []
@@ -166,7 +167,8 @@ def run_overhead(args, model: Model) -> int:
               f"{every}" + (f", {norm} value norms" if norm else ""), file=sys.stderr, flush=True)
         r = measure(model, long, args.method, args.budget, args.decode, args.threads, backend, chunk=chunk,
                     observe_every=every, method_params={"value_norm": norm} if norm else None)
-        rows.append(dict(chunk=chunk, observe_every=every, value_norm=norm, kv_bytes=r["kv_bytes_allocated"], n_ctx=r["n_ctx"],
+        rows.append(dict(chunk=chunk, observe_every=every, value_norm=norm, kv_bytes=r["kv_bytes_allocated"],
+                         n_ctx=r["n_ctx"],
                          ttft=r["prefill_seconds"], decode_tok_s=r["decode_tok_s"], events=r["compression_events"],
                          moved=r["observations_moved"], compression_seconds=r["compression_seconds"],
                          share=r["compression_seconds"] / r["prefill_seconds"], breakdown=r["compression_breakdown"],

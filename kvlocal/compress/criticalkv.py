@@ -16,7 +16,8 @@ NORMS = {"l1": 1, "l2": 2}  # CriticalKV's value_norm: the norm over D of v · W
 
 def projected_value_norms(v: np.ndarray, wo: np.ndarray, n_head: int, rows: Sequence[np.ndarray] | None = None,
                           p: int = 1) -> list[np.ndarray]:
-    """``||v · W_O^h||_p`` per cell (p = 1: L1, the paper's and the default; 2: L2), averaged over the query heads of each GQA group.
+    """``||v · W_O^h||_p`` per cell (p = 1: L1, the paper's and the default; 2: L2), averaged over the query
+    heads of each GQA group.
 
     v: [Hkv, n, d] values; wo: [D, Hq*d] (``o_proj.weight``, HF layout) — or, for ``p=2``, its factor
     (:func:`l2_factor`). Query head ``h`` reads KV head ``h // G`` and its slice is ``W_O^h = wo[:, h*d:(h+1)*d].T``

@@ -219,15 +219,16 @@ _simd_level = None
 
 
 def attention_keep(votes, q, q_pos, k, v, pos, bias, *, n_sink: int, recent: int | None, kernel: int, pooling: str,
-                   budget: int, wo=None, vnorm=None, norm_p: int = 1, alpha: float = 0.5, epsilon: float = 1e-4) -> np.ndarray:
+                   budget: int, wo=None, vnorm=None, norm_p: int = 1, alpha: float = 0.5,
+                   epsilon: float = 1e-4) -> np.ndarray:
     """One layer's kept cells ``[Hkv, B]`` under SnapKV, or CriticalKV over SnapKV where ``vnorm`` is given —
     what ``SnapKV().keep`` / ``CriticalKV(SnapKV()).keep`` return, in one call (kernels/cpu/keep.c).
 
     votes: ``[Hq, n]`` window votes, or None to compute them from q ``[Hq, w, d]`` (the window queries) and
     k ``[Hkv, n, d]``; q_pos ``[w]``; pos ``[Hkv, n]`` (-1: empty row); bias ``[Hkv, n]`` or None; recent: the
     protected recent span (None: the cells at or after the first window query). vnorm ``[Hkv, n]`` float32,
-    NaN where unknown: the norms stage 2 needs are computed from v and wo (``[D, Hq*d]``, or its factor for ``norm_p=2``:
-    :func:`vnorm`) as ``norm_p``-norms and written into
+    NaN where unknown: the norms stage 2 needs are computed from v and wo (``[D, Hq*d]``, or its factor for
+    ``norm_p=2``: :func:`vnorm`) as ``norm_p``-norms and written into
     it; v may be float16 (an F16 cache's rows, a ``[Hkv, n, d]`` view of its cells ``[n, Hkv, d]``): then only the
     rows that need a norm are converted. ``budget``: each head keeps ``min(budget, live rows)``."""
     hkv, n = pos.shape

@@ -25,7 +25,8 @@ def projected_value_norms(v: torch.Tensor, wo: torch.Tensor, n_head: int, p: int
     wo = wo.to(torch.float32)
     norms = torch.zeros(n_head, s)
     for h in range(n_head):
-        norms[h] = torch.linalg.vector_norm(v[h // group].to(torch.float32) @ wo[:, h * d : (h + 1) * d].T, ord=p, dim=-1)
+        projected = v[h // group].to(torch.float32) @ wo[:, h * d : (h + 1) * d].T
+        norms[h] = torch.linalg.vector_norm(projected, ord=p, dim=-1)
     return norms.view(hkv, group, s).mean(dim=1)
 
 
