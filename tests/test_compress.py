@@ -17,6 +17,7 @@ torch = need("torch")  # the PyTorch reference: skip locally, fail under CI
 
 from kvlocal.compress import (
     METHODS,
+    VALUE_NORMS,
     CriticalKV,
     Full,
     LayerInputs,
@@ -158,7 +159,7 @@ def test_criticalkv_reuses_and_fills_known_norms(norm):
     assert np.array_equal(crit.keep(layer, 40), want)
     filled = ~np.isnan(layer.vnorm)  # the norms stage 2 needed, written in place
     assert 0 < filled.sum() < layer.vnorm.size
-    p = {"l1": 1, "l2": 2}[norm]
+    p = VALUE_NORMS[norm]
     exact = np.stack(projected_value_norms(layer.v, layer.wo, layer.n_head, p=p))  # through W_O itself
     np.testing.assert_allclose(layer.vnorm[filled], exact[filled], rtol=1e-5)
     layer.vnorm = exact.copy()  # all known: nothing recomputed, same plan

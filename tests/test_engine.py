@@ -37,7 +37,7 @@ import pytest
 
 from conftest import run_cli
 from replay import replay
-from kvlocal.compress import CriticalKV, LayerInputs, Plan, SnapKV, projected_value_norms
+from kvlocal.compress import VALUE_NORMS, CriticalKV, LayerInputs, Plan, SnapKV, projected_value_norms
 from kvlocal.engine import AGNOSTIC_PROBE, Budget, Engine
 from kvlocal.errors import UsageError
 from kvlocal.runtime.llama import kv_cache_bytes
@@ -359,7 +359,7 @@ def test_kept_sets_match_the_reference_scorer(run, comparison, ref_model, smollm
         # value norms carried from earlier events are those of the rows that carry them
         known = ~np.isnan(x.vnorm) if x.vnorm is not None else np.zeros((m.n_head_kv, x.n), dtype=bool)
         if known.any():
-            exact = np.stack(projected_value_norms(x.v, x.wo, x.n_head, p={"l1": 1, "l2": 2}[norm]))  # through W_O
+            exact = np.stack(projected_value_norms(x.v, x.wo, x.n_head, p=VALUE_NORMS[norm]))  # through W_O
             np.testing.assert_allclose(x.vnorm[known], exact[known], rtol=1e-4)
 
         # the kept sets: exactly the reference's, with the window rule the engine uses

@@ -27,7 +27,7 @@ import sys
 import time
 from importlib import resources
 
-from kvlocal.compress import method_params
+from kvlocal.compress import VALUE_NORMS, method_params
 from kvlocal.engine import RECALL_ROOM, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS, Budget, Engine
 from kvlocal.errors import UsageError
 from kvlocal.runtime import CACHE_TYPES, Model, cache_type, resolve_backend
@@ -353,7 +353,7 @@ def add_arguments(p) -> None:
     p.add_argument("--chunks", type=int, nargs="+", default=[128, 512], metavar="N", help="with --overhead (default 128 512)")
     p.add_argument("--observe-every", type=int, nargs="+", default=[1, 4], metavar="N",
                    help="with --overhead: events one probe decode scores (default 1 4)")
-    p.add_argument("--value-norms", nargs="+", choices=["l1", "l2"], metavar="NORM",
+    p.add_argument("--value-norms", nargs="+", choices=list(VALUE_NORMS), metavar="NORM",
                    help="with --overhead and a CriticalKV method: the value norm's lever, l1 and/or l2 "
                         "(default: the method's; docs/engine.md)")
     p.add_argument("--plot", metavar="FILE", help="with --frontier: a figure (PNG) of the table against the context")

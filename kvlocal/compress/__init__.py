@@ -27,7 +27,7 @@ import dataclasses
 
 from kvlocal.compress.adakv import AdaKV, head_budgets
 from kvlocal.compress.base import LayerInputs, Scorer, native_scoring, plan_layers, select, top_cells
-from kvlocal.compress.criticalkv import CriticalKV, norm_p, projected_value_norms
+from kvlocal.compress.criticalkv import VALUE_NORMS, CriticalKV, norm_p, projected_value_norms
 from kvlocal.compress.defensivekv import DefensiveKV
 from kvlocal.compress.evict_merge import EvictThenMerge
 from kvlocal.compress.full import Full
@@ -148,6 +148,7 @@ __all__ = [
     "BIAS_METHODS",
     "MERGING_METHODS",
     "METHODS",
+    "VALUE_NORMS",
     "WO_METHODS",
     "AdaKV",
     "CriticalKV",

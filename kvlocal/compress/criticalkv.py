@@ -11,7 +11,7 @@ from kvlocal.compress.base import LayerInputs, Scorer, top_cells, vnorm
 from kvlocal.compress.snapkv import SnapKV, fused_keep
 
 
-NORMS = {"l1": 1, "l2": 2}  # CriticalKV's value_norm: the norm over D of v · W_O^h
+VALUE_NORMS = {"l1": 1, "l2": 2}  # CriticalKV's value_norm → p: the norm over D of v · W_O^h
 
 
 def projected_value_norms(v: np.ndarray, wo: np.ndarray, n_head: int, rows: Sequence[np.ndarray] | None = None,
@@ -47,7 +47,7 @@ def norm_p(scorer: Scorer) -> int:
     """The p of the value norms ``scorer`` ranks by: its CriticalKV's (wrapped or not) ``value_norm``, else 1 (L1)."""
     while scorer is not None:
         if isinstance(scorer, CriticalKV):
-            return NORMS[scorer.value_norm]
+            return VALUE_NORMS[scorer.value_norm]
         scorer = getattr(scorer, "press", None)
     return 1
 
@@ -91,13 +91,13 @@ class CriticalKV(Scorer):
     _factors: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # id(wo) -> (wo, factor)
 
     def __post_init__(self):
-        if self.value_norm not in NORMS:
-            raise ValueError(f"value_norm must be one of {', '.join(NORMS)}, got {self.value_norm!r}")
+        if self.value_norm not in VALUE_NORMS:
+            raise ValueError(f"value_norm must be one of {', '.join(VALUE_NORMS)}, got {self.value_norm!r}")
 
     def norm_weights(self, layer: LayerInputs) -> tuple[np.ndarray | None, int]:
         """The matrix the value norms are computed through, and p: ``layer.wo`` for L1, its :func:`l2_factor`
         for L2 (kept per ``wo`` array: the engine hands each layer the same one at every event)."""
-        p = NORMS[self.value_norm]
+        p = VALUE_NORMS[self.value_norm]
         if p == 1 or layer.wo is None:
             return layer.wo, p
         held = self._factors.get(id(layer.wo))

@@ -34,7 +34,7 @@ import numpy as np
 from kvlocal.engine import Engine
 from kvlocal.models import cache_dir, sha256_file
 from kvlocal.runtime import Model
-from kvlocal.compress import MERGING_METHODS, METHODS, method_params as scorer_params
+from kvlocal.compress import MERGING_METHODS, METHODS, VALUE_NORMS, method_params as scorer_params
 from kvlocal.runtime import Sampler
 from kvlocal.chat.session import ChatSession
 from kvlocal.eval.metrics import compare_logits
@@ -54,12 +54,10 @@ RECALL = "+recall"  # the suffix of a method run with the recall tier
 EVERY = re.compile(r"\+every(\d+)$")  # the suffix of a method whose probe is decoded once in N events
 
 
-NORMS = ("l1", "l2")  # a part of a method's name (criticalkv+l2): CriticalKV's value_norm
-
-
 def method_params(name: str) -> dict:
-    """The engine's ``method_params`` for a method as the eval names it (``+l1``, ``+l2``: the value norm)."""
-    norm = [part for part in name.partition("@")[0].split("+")[1:] if part in NORMS]
+    """The engine's ``method_params`` for a method as the eval names it (``+l1``, ``+l2``: CriticalKV's
+    ``value_norm``, one of :data:`~kvlocal.compress.VALUE_NORMS`)."""
+    norm = [part for part in name.partition("@")[0].split("+")[1:] if part in VALUE_NORMS]
     return {"value_norm": norm[-1]} if norm else {}
 
 
@@ -79,8 +77,8 @@ def split_method(name: str) -> tuple[str, tuple[int | None, int | None], bool]:
     if every and int(every.group(1)) < 1:
         raise ValueError(name)
     method = EVERY.sub("", method)
-    norm = any(part in NORMS for part in method.split("+")[1:])
-    method = "+".join(part for i, part in enumerate(method.split("+")) if i == 0 or part not in NORMS)
+    norm = any(part in VALUE_NORMS for part in method.split("+")[1:])
+    method = "+".join(part for i, part in enumerate(method.split("+")) if i == 0 or part not in VALUE_NORMS)
     recall = method.endswith(RECALL)
     method = method.removesuffix(RECALL)
     if not (method in EVICTION or method == "full" and not cache and not recall) or (cache and cache not in CACHES):
