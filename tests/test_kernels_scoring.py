@@ -1,4 +1,4 @@
-"""Native scoring kernels (window votes, projected value norms) against their numpy definitions.
+"""Native scoring kernels (window votes, projected value norms, the recall tier's page bounds) against their numpy definitions.
 
 Every instruction-set variant this CPU supports (generic, AVX2, AVX-512) is checked.
 """
@@ -150,6 +150,29 @@ def test_levels_agree_closely():
         kernels.simd_level(_BEST)
     for lv in LEVELS:
         np.testing.assert_allclose(out[lv], out[LEVELS[0]], rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("m,d,n_rows", [(1, 64, 16), (7, 64, 1000), (33, 64, 3700), (5, 13, 530), (224, 64, 1290)])
+def test_page_candidates_rank_by_quests_bound(level, m, d, n_rows):
+    """kvl_page_candidates on every instruction set against the bounds written out in numpy (float64) and the
+    ranking steps: pages by bound, taken until n_want rows off the device, their off-device rows. Shapes cross the
+    vector widths (pages per register block 8-32, queries per block 4, a scalar key dimension of 13)."""
+    rng = np.random.default_rng(m * 1000 + n_rows)
+    page = 16
+    n_pages = -(-n_rows // page)
+    lo = rng.standard_normal((n_pages, d)).astype(np.float32)
+    hi = lo + np.abs(rng.standard_normal((n_pages, d))).astype(np.float32)
+    q = rng.standard_normal((m, d)).astype(np.float32)
+    on_device = rng.random(n_rows) < 0.3
+    bound = np.maximum(q[:, None, :].astype(np.float64) * lo, q[:, None, :].astype(np.float64) * hi).sum(-1).max(0)
+    off = np.add.reduceat((~on_device).astype(np.int64), np.arange(0, n_rows, page))
+    for n_want in (1, n_rows // 3, n_rows):
+        pages = np.flatnonzero(off > 0)
+        order = pages[np.argsort(-bound[pages], kind="stable")]
+        taken = np.sort(order[:int(np.searchsorted(np.cumsum(off[order]), n_want)) + 1])
+        ids = (taken[:, None] * page + np.arange(page)).reshape(-1)
+        ids = ids[ids < n_rows]
+        np.testing.assert_array_equal(kernels.page_candidates(q, lo, hi, on_device, page, n_want), ids[~on_device[ids]])
 
 
 @pytest.mark.parametrize("d", [64, 13])  # a whole number of F16C vectors, and a scalar tail

@@ -5,12 +5,59 @@
  * A page's bound is Quest's: for each query the largest q.k any key within the page's element-wise
  * [kmin, kmax] box can reach, sum_i max(q_i kmin_i, q_i kmax_i); the page's is the largest over the queries.
  * Pages holding a row off the device are ranked by bound (ties to the lower page) and taken until they hold
- * n_want such rows; their off-device rows are listed in page order. */
+ * n_want such rows; their off-device rows are listed in page order.
+ *
+ * The bounds are the arithmetic (a question's window of queries x every page, per head): the boxes are
+ * transposed once per call so that vector lanes run over pages (pages.inc), one instance per instruction
+ * set as in window.c. */
 
 #include "kvlocal_kernels.h"
 
 #include <math.h>
+#include <stddef.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define KVL_TEMPLATE "pages.inc"
+#include "instances.h"
+
+/* bound[p] for pages 0..n_pages-1 (0 without queries); -1 out of memory */
+static int page_bounds(const float * q, int m, int d, const float * kmin, const float * kmax, int n_pages,
+                       float * bound) {
+    if (m == 0 || n_pages == 0) {
+        for (int p = 0; p < n_pages; p++) {
+            bound[p] = 0.0f;
+        }
+        return 0;
+    }
+    const int ld  = (n_pages + 31) / 32 * 32; /* a whole register block of pages at the widest vectors */
+    float *   loT = calloc((size_t) d * ld * 2 + ld, sizeof(float));
+    if (!loT) {
+        return -1;
+    }
+    float * hiT = loT + (size_t) d * ld, * out = hiT + (size_t) d * ld;
+    for (int p = 0; p < n_pages; p++) {
+        for (int i = 0; i < d; i++) {
+            loT[(size_t) i * ld + p] = kmin[(size_t) p * d + i];
+            hiT[(size_t) i * ld + p] = kmax[(size_t) p * d + i];
+        }
+    }
+#if KVL_X86_DISPATCH
+    switch (kvl_simd_active()) {
+        case 2: page_bounds_avx512(q, m, d, loT, hiT, ld, out); break;
+        case 1: page_bounds_avx2(q, m, d, loT, hiT, ld, out); break;
+        default: page_bounds_generic(q, m, d, loT, hiT, ld, out); break;
+    }
+#else
+    page_bounds_generic(q, m, d, loT, hiT, ld, out);
+#endif
+    memcpy(bound, out, sizeof(float) * (size_t) n_pages);
+    free(loT);
+    return 0;
+}
 
 typedef struct {
     float bound;
@@ -33,9 +80,17 @@ int kvl_page_candidates(const float * q, int m, int d, const float * kmin, const
     const int  n_pages = (n + page - 1) / page;
     int      * off     = malloc(sizeof(int) * (size_t) (n_pages > 0 ? n_pages : 1));
     ranked_t * rank    = malloc(sizeof(ranked_t) * (size_t) (n_pages > 0 ? n_pages : 1));
-    if (!off || !rank) {
+    float    * bound   = malloc(sizeof(float) * (size_t) (n_pages > 0 ? n_pages : 1));
+    if (!off || !rank || !bound) {
         free(off);
         free(rank);
+        free(bound);
+        return -1;
+    }
+    if (page_bounds(q, m, d, kmin, kmax, n_pages, bound) != 0) {
+        free(off);
+        free(rank);
+        free(bound);
         return -1;
     }
     int n_ranked = 0;
@@ -44,21 +99,10 @@ int kvl_page_candidates(const float * q, int m, int d, const float * kmin, const
         for (int r = p * page; r < n && r < (p + 1) * page; r++) {
             off[p] += !on_device[r];
         }
-        if (off[p] == 0) {
-            continue; /* every row on the device: nothing to offer */
+        if (off[p] > 0) { /* a page with every row on the device has nothing to offer */
+            rank[n_ranked].bound  = bound[p];
+            rank[n_ranked++].page = p;
         }
-        const float * lo = kmin + (long long) p * d, * hi = kmax + (long long) p * d;
-        float best = -INFINITY;
-        for (int j = 0; j < m; j++) {
-            const float * qj = q + (long long) j * d;
-            float s = 0.0f;
-            for (int i = 0; i < d; i++) {
-                s += qj[i] >= 0.0f ? qj[i] * hi[i] : qj[i] * lo[i];
-            }
-            best = s > best ? s : best;
-        }
-        rank[n_ranked].bound = m > 0 ? best : 0.0f;
-        rank[n_ranked++].page = p;
     }
     qsort(rank, (size_t) n_ranked, sizeof(ranked_t), by_bound);
     long long have = 0;
@@ -79,5 +123,6 @@ int kvl_page_candidates(const float * q, int m, int d, const float * kmin, const
     }
     free(off);
     free(rank);
+    free(bound);
     return count;
 }

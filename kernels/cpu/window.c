@@ -19,35 +19,8 @@
 
 #include "simd.h"
 
-#if defined(__GNUC__) && !defined(KVL_FORCE_SCALAR) /* KVL_FORCE_SCALAR: check the MSVC path with GCC */
-#define KVL_VW     4
-#else
-#define KVL_VW     1
-#endif
-#define KVL_SFX    generic
-#define KVL_TARGET
-#include "window.inc"
-#undef KVL_VW
-#undef KVL_SFX
-#undef KVL_TARGET
-
-#if KVL_X86_DISPATCH
-#define KVL_VW     8
-#define KVL_SFX    avx2
-#define KVL_TARGET __attribute__((target("avx2,fma")))
-#include "window.inc"
-#undef KVL_VW
-#undef KVL_SFX
-#undef KVL_TARGET
-
-#define KVL_VW     16
-#define KVL_SFX    avx512
-#define KVL_TARGET __attribute__((target("avx512f,avx512vl,avx2,fma")))
-#include "window.inc"
-#undef KVL_VW
-#undef KVL_SFX
-#undef KVL_TARGET
-#endif
+#define KVL_TEMPLATE "window.inc"
+#include "instances.h"
 
 int kvl_window_votes_f32(const float * q, const int * q_pos, int n_head, int w,
                          const float * k, const int * pos, const float * bias, int n_kv, int n, int d,
