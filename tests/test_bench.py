@@ -85,6 +85,7 @@ def test_recall_cost_counts_the_question_and_the_answer_steps(smollm2):
         # the question left the answer 64 cells past the rows it brought back; the answer outgrew them and a
         # compression returned the cache to the budget: counted in the turn's cost
         assert row["answer_tokens"] > 64 and row["back_seconds"] > 0
+        assert 0 < row["back_observe_seconds"] < row["back_seconds"]  # its probe decode, part of it
         assert row["question_seconds"] > 0 and row["prefill_seconds"] > 0
         assert row["rows_in"] > 0 and row["candidates"] > 0 and row["host_tier_bytes"] > 0
     assert (swapping["step_confidence"], confident["step_confidence"]) == (1, 0)

@@ -283,6 +283,7 @@ def run_recall_cost(args, model: Model) -> int:
         eng.prefill(tokens)  # a document read before any question: the generic probe
         s = eng.stats
         out0, in0, copied0, comp0 = s.recall_rows_out, s.recall_rows_in, eng.kv.host_kv_bytes, s.compression_seconds
+        observe0 = s.compression_breakdown.get("observe", 0.0)
         eng.append(question, probe=question, recall=True)
         decode0 = s.decode_seconds
         answer = len(list(eng.generate(n_answer, stop_at_eog=False)))
@@ -292,6 +293,7 @@ def run_recall_cost(args, model: Model) -> int:
                          prefill_seconds=s.prefill_seconds,
                          question_seconds=s.recall_seconds, steps=s.recall_steps, step_seconds=s.recall_step_seconds,
                          confident_steps=s.recall_steps_confident, back_seconds=back,
+                         back_observe_seconds=s.compression_breakdown.get("observe", 0.0) - observe0,
                          answer_tokens=answer, answer_seconds=s.decode_seconds - decode0, recall_seconds=seconds,
                          share=seconds / s.prefill_seconds, rows_in=s.recall_rows_in - in0,
                          rows_out=s.recall_rows_out - out0, candidates=s.recall_candidates,
