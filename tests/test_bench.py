@@ -69,23 +69,26 @@ def test_overhead_compares_the_value_norms(smollm2):
                        "snapkv has no value norm")
 
 
-@pytest.mark.slow(25)
+@pytest.mark.slow(35)
 def test_recall_cost_counts_the_question_and_the_answer_steps(smollm2):
     """``--recall-cost``: a document read with recall on, one question, then an answer whose first tokens
     re-select too and that goes on past the room the question left it; the seconds of all three against the prefill,
     and what crossed. ``--step-confidence 1 0`` side by
-    side: at 1 every step swaps, at 0 every step keeps its decode (no step time, no rows in after the question's)."""
+    side: at 1 every step swaps, at 0 every step keeps its decode (no step time, no rows in after the question's);
+    each with ``--decode-observe probe kept``: the compression back to the budget decodes its probe, or not."""
     r = run_cli("bench", str(smollm2), "--recall-cost", "--contexts", "600", "--backends", "state", "--json",
-                "--step-confidence", "1", "0")
+                "--step-confidence", "1", "0", "--decode-observe", "probe", "kept")
     assert r.returncode == 0, r.stderr
-    swapping, confident = json.loads(r.stdout)["recall"]
-    for row in (swapping, confident):
+    swapping, swapping_kept, confident, confident_kept = json.loads(r.stdout)["recall"]
+    for row in (swapping, swapping_kept, confident, confident_kept):
         assert row["tokens"] == 600 and row["backend"] == "state" and row["compression_events"] > 0
         assert 0 < row["steps"] <= 16 < row["answer_tokens"]  # an end-of-generation token is not a step
         # the question left the answer 64 cells past the rows it brought back; the answer outgrew them and a
         # compression returned the cache to the budget: counted in the turn's cost
         assert row["answer_tokens"] > 64 and row["back_seconds"] > 0
-        assert 0 < row["back_observe_seconds"] < row["back_seconds"]  # its probe decode, part of it
+        assert 0 < row["back_observe_seconds"] < row["back_seconds"]  # its probe decode, or the kept queries turned
+        # --decode-observe kept: that compression was observed by the queries its tokens had, not a probe decode
+        assert (row["back_kept"] > 0) == (row["decode_observe"] == "kept")
         assert row["question_seconds"] > 0 and row["prefill_seconds"] > 0
         assert row["rows_in"] > 0 and row["candidates"] > 0 and row["host_tier_bytes"] > 0
     assert (swapping["step_confidence"], confident["step_confidence"]) == (1, 0)
@@ -93,6 +96,9 @@ def test_recall_cost_counts_the_question_and_the_answer_steps(smollm2):
     assert swapping["confident_steps"] == 0 < swapping["step_seconds"]
     assert confident["confident_steps"] == confident["steps"] and confident["step_seconds"] == 0
     assert confident["rows_in"] < swapping["rows_in"]  # only the question brought rows back
+    for probe, kept in ((swapping, swapping_kept), (confident, confident_kept)):
+        assert (probe["decode_observe"], kept["decode_observe"]) == ("probe", "kept")
+        assert kept["back_observe_seconds"] < probe["back_observe_seconds"]  # queries turned, not 32 tokens decoded
     assert_usage_error(run_cli("bench", str(smollm2), "--recall-cost", "--step-confidence", "1.5"), "--step-confidence")
     assert_usage_error(run_cli("bench", str(smollm2), "--recall-cost", "--step-every", "0"), "--step-every")
 

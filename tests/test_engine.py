@@ -105,6 +105,7 @@ class RecordingEngine(Engine):
     def __init__(self, *args, inputs_of: tuple[int, ...] = (), **kwargs):
         kwargs.setdefault("backend", "state")  # it records the K/V rows the scorers read on the host
         kwargs.setdefault("observe_every", 1)  # every event decodes its probe: what the reference recomputes
+        kwargs.setdefault("decode_observe", "probe")  # the decode-time ones too (the kept queries: test_observation)
         super().__init__(*args, **kwargs)
         self.events: list[Event] = []
         self.decodes: list[Decode] = []

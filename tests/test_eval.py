@@ -65,7 +65,7 @@ def test_plan_runs_the_full_cache_first_and_each_probe_where_it_matters():
 
 
 def test_methods_run_on_quantized_caches_as_method_at_cache():
-    from kvlocal.eval.runner import method_params, observe_every, split_method
+    from kvlocal.eval.runner import decode_observe, method_params, observe_every, split_method
 
     assert split_method("criticalkv@kv-q8_0") == ("criticalkv", (8, 8), False)
     assert split_method("streaming@q4_0") == ("streaming", (2, None), False)
@@ -79,8 +79,13 @@ def test_methods_run_on_quantized_caches_as_method_at_cache():
     assert split_method("criticalkv+adakv+l2") == ("criticalkv+adakv", (None, None), False)
     assert [method_params(m) for m in ("criticalkv", "criticalkv+l2+recall", "criticalkv+l1@kv-q8_0")] == [
         {}, {"value_norm": "l2"}, {"value_norm": "l1"}]
+    # +kept: decode-time events observed by the queries their tokens had (the engine's decode_observe)
+    assert split_method("criticalkv+kept+l2+recall@kv-q8_0") == ("criticalkv", (8, 8), True)
+    assert [decode_observe(m) for m in ("criticalkv", "snapkv+kept", "criticalkv+kept+recall@kv-q8_0")] == [
+        "probe", "kept", "kept"]
     for bad in ("full@kv-q8_0", "criticalkv@q3_k", "h2o@kv-q8_0", "kvslimmer+recall", "full+recall", "criticalkv+every0",
-                "criticalkv+every4+recall", "snapkv+l2", "streaming+l1", "defensivekv+l2"):
+                "criticalkv+every4+recall", "snapkv+l2", "streaming+l1", "defensivekv+l2", "full+kept",
+                "streaming+kept"):
         with pytest.raises(ValueError):
             split_method(bad)
     specs = plan(["m"], ["needle"], ["streaming@kv-q8_0", "criticalkv@kv-q8_0"], [0.1], ["question", "agnostic"], 0, 500)
@@ -196,6 +201,21 @@ def test_targets_are_judged_from_the_records():
     assert "criticalkv@kv-q8_0 at 0.1 beats the q4_0 K+V full cache: KL 0.400 vs 0.900, retrieval 1.00 vs 0.50" in text
     assert "criticalkv@kv-q8_0 at 0.2 beats" in text and "retrieval 0.00 vs 0.50, 5.0 vs 8.0 MiB — **missed**" in text
     assert "lowest KL 0.400 (criticalkv@kv-q8_0 0.1) vs 0.900, best retrieval 1.00 vs 0.50 — **met**" in text
+
+
+def test_generation_reads_its_tokens_then_forces_the_text_after_them():
+    """generation: a document of about the asked length, then at least N_GENERATED tokens of the text that
+    follows it (the next sentence: the forced text starts where the document stops)."""
+    from kvlocal.eval.tasks import N_GENERATED
+
+    prose = _prose()
+    for n in (600, 2048, 4096):
+        for seed in range(3):
+            item = make_items("generation", prose, n, seed)[0]
+            assert item.kind == "continuation" and item.question == ""
+            assert n <= prose.count(item.document) <= n + 200 and prose.count(item.forced) >= N_GENERATED, (n, seed)
+            whole = " ".join(prose.take(n + 2 * N_GENERATED, random.Random(f"generation:{seed}:{n}")))
+            assert " ".join((item.document + item.forced).split()) == " ".join(whole.split())
 
 
 def test_continuation_always_has_its_forced_tokens():

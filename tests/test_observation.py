@@ -73,3 +73,50 @@ def test_events_between_probe_decodes_use_moved_queries(smollm2_model):
         kept[every] = {(il, h, int(p)) for il, h, c in zip(*np.nonzero(t >= 0)) for p in [t[il, h, c]]}
     jaccard = len(kept[1] & kept[4]) / len(kept[1] | kept[4])
     assert 0.6 < jaccard < 1.0, jaccard
+
+
+@pytest.mark.slow(16)
+@pytest.mark.parametrize("fixture", ["smollm2_model", "qwen_model"])
+def test_decode_time_events_are_observed_by_the_queries_their_tokens_had(fixture, request):
+    """decode_observe="kept": a compression while generating is scored by the prompt probe's queries from its
+    decode and the reply's last tokens' from their own decodes, turned to the positions a probe decoded then
+    would have — checked against that probe decoded (layer 0: the queries depend on the token and its position
+    alone, so kept and decoded must agree to llama.cpp's float32 angles; a token or position off by one would
+    not). "probe" decodes it (the default until the generation task measured the two: docs/engine.md)."""
+    model = request.getfixturevalue(fixture)
+    from kvlocal.cli.bench import long_text
+
+    toks = long_text(model, 300)
+    probe = model.tokenize("\n\nWhat does the text say about patents?", add_special=False)
+    events = {}
+    for how in ("probe", "kept"):
+        eng = Engine(model, 96, "criticalkv", chunk=64, max_tokens=len(toks) + 300, decode_observe=how,
+                     backend="state")
+        eng.prefill(toks, probe=probe)
+        e0, decoded0 = eng.stats.compression_events, eng.observations.decoded
+        compared = []
+        if how == "kept":
+            kept_observation = eng._kept_observation
+
+            def both(p, eng=eng, kept_observation=kept_observation):
+                kept = kept_observation(p)
+                assert kept is not None, "the kept queries were missing at a decode-time event"
+                fresh, pos, _ = eng._observe(p)  # the probe decoded after the cache, then removed
+                np.testing.assert_array_equal(kept[1], pos)
+                scale = np.abs(fresh[0]).max()
+                compared.append(np.abs(kept[0][0] - fresh[0]).max() / scale)
+                return kept
+
+            eng._kept_observation = both
+        list(eng.generate(eng.slack + 40, stop_at_eog=False))  # past one decode-time event
+        s = eng.stats
+        events[how] = s.compression_events - e0
+        assert events[how] >= 1
+        if how == "kept":
+            assert s.observations_kept == events[how] == len(compared)
+            # the probe decodes above are the test's: the engine decoded none of its own
+            assert eng.observations.decoded - decoded0 == len(compared)
+            assert max(compared) < 1e-3, compared
+        else:
+            assert s.observations_kept == 0 and eng.observations.decoded - decoded0 == events[how]
+    assert events["kept"] == events["probe"]

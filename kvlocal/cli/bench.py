@@ -28,7 +28,7 @@ import time
 from importlib import resources
 
 from kvlocal.compress import VALUE_NORMS, method_params
-from kvlocal.engine import RECALL_ROOM, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS, Budget, Engine
+from kvlocal.engine import DECODE_OBSERVATIONS, DECODE_OBSERVE, RECALL_ROOM, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS, Budget, Engine
 from kvlocal.errors import UsageError
 from kvlocal.runtime import CACHE_TYPES, Model, cache_type, resolve_backend
 
@@ -270,16 +270,16 @@ def run_recall_cost(args, model: Model) -> int:
     question = model.tokenize(QUESTION, add_special=False)
     backends = args.backends or default_backends()
     texts = {n: long_text(model, n) for n in args.contexts}  # one document per length, read by every run of it
-    runs = itertools.product(args.contexts, backends, args.step_confidence, args.step_every)
+    runs = itertools.product(args.contexts, backends, args.step_confidence, args.step_every, args.decode_observe)
     n_answer = RECALL_STEPS + RECALL_ROOM + 1  # past the answer's room: the compression back to the budget
-    for n, backend, confidence, every in runs:
+    for n, backend, confidence, every, observe in runs:
         tokens = texts[n]
         print(f"reading {n:,} tokens with recall on ({backend} backend), then one question and {n_answer} "
               f"tokens of its answer (step confidence {confidence:g}, a swap at most every {every} steps)",
               file=sys.stderr, flush=True)
         eng = Engine(model, Budget.parse(args.budget), args.method, max_tokens=n + len(question) + n_answer + 8,
                      n_threads=args.threads, recall=True, backend=backend, recall_step_confidence=confidence,
-                     recall_step_every=every)
+                     recall_step_every=every, decode_observe=observe)
         eng.prefill(tokens)  # a document read before any question: the generic probe
         s = eng.stats
         out0, in0, copied0, comp0 = s.recall_rows_out, s.recall_rows_in, eng.kv.host_kv_bytes, s.compression_seconds
@@ -290,10 +290,12 @@ def run_recall_cost(args, model: Model) -> int:
         back = s.compression_seconds - comp0  # the turn's compressions: back to the budget past the answer's room
         seconds = s.recall_seconds + s.recall_step_seconds + back
         rows.append(dict(tokens=n, backend=backend, step_confidence=confidence, step_every=every,
+                         decode_observe=observe,
                          prefill_seconds=s.prefill_seconds,
                          question_seconds=s.recall_seconds, steps=s.recall_steps, step_seconds=s.recall_step_seconds,
                          confident_steps=s.recall_steps_confident, back_seconds=back,
                          back_observe_seconds=s.compression_breakdown.get("observe", 0.0) - observe0,
+                         back_kept=s.observations_kept,
                          answer_tokens=answer, answer_seconds=s.decode_seconds - decode0, recall_seconds=seconds,
                          share=seconds / s.prefill_seconds, rows_in=s.recall_rows_in - in0,
                          rows_out=s.recall_rows_out - out0, candidates=s.recall_candidates,
@@ -304,15 +306,15 @@ def run_recall_cost(args, model: Model) -> int:
     if _json_or_title(args, model, "recall", rows, f"one question after the document, {RECALL_STEPS + RECALL_ROOM + 1} answer tokens"):
         return 0
     mib = 2**20
-    print(f"{'tokens':>8} {'backend':>8} {'budget':>7} {'conf':>5} {'every':>5} {'prefill s':>10} {'question s':>11} {'steps':>6} {'sure':>5} {'steps s':>8} {'back s':>7} "
+    print(f"{'tokens':>8} {'backend':>8} {'budget':>7} {'conf':>5} {'every':>5} {'back by':>7} {'prefill s':>10} {'question s':>11} {'steps':>6} {'sure':>5} {'steps s':>8} {'back s':>7} "
           f"{'share':>7} {'scored':>8} {'rows in':>8} {'rows out':>9} {'tier MiB':>9} {'KV MiB':>7} {'copied MiB':>11}"
           f"   target: share <= 3%")
     for r in rows:
-        print(f"{r['tokens']:>8,} {r['backend']:>8} {r['budget_cells']:>7,} {r['step_confidence']:>5g} {r['step_every']:>5} {r['prefill_seconds']:>10.1f} "
+        print(f"{r['tokens']:>8,} {r['backend']:>8} {r['budget_cells']:>7,} {r['step_confidence']:>5g} {r['step_every']:>5} {r['decode_observe']:>7} {r['prefill_seconds']:>10.1f} "
               f"{r['question_seconds']:>11.2f} {r['steps']:>6} {r['confident_steps']:>5} {r['step_seconds']:>8.2f} {r['back_seconds']:>7.2f} {100 * r['share']:>6.2f}% "
               f"{r['candidates']:>8,} {r['rows_in']:>8,} {r['rows_out']:>9,} {r['host_tier_bytes'] / mib:>9.1f} "
               f"{r['kv_bytes_allocated'] / mib:>7.1f} {r['recall_host_kv_bytes'] / mib:>11.1f}")
-    print("conf: --step-confidence; every: --step-every; question s: the question's re-selection (its probe decode included); steps: the "
+    print("conf: --step-confidence; every: --step-every; back by: --decode-observe; question s: the question's re-selection (its probe decode included); steps: the "
           "answer's tokens that re-selected with their own query (sure: of them, those whose decode predicted the next "
           "token above conf, or came fewer than every steps after the last swap, and was kept: no swap, their time is decoding's); steps s: the others' time; back s: the turn's compressions (the answer's, back to the budget once it outgrows the room the question left it); share: the three, of the prefill; copied: K/V bytes they moved between "
           "llama.cpp and the host (state: the cache out and back each time; native: only the rows brought back in "
@@ -346,6 +348,10 @@ def add_arguments(p) -> None:
     p.add_argument("--step-every", type=int, nargs="+", default=[RECALL_STEP_EVERY], metavar="N",
                    help="with --recall-cost: an answer step swaps only when N steps past the last swap, the ones "
                         "between keep their decode and hold their queries for it (Engine(recall_step_every=); "
+                        "default %(default)s); several: side by side")
+    p.add_argument("--decode-observe", nargs="+", choices=list(DECODE_OBSERVATIONS), default=[DECODE_OBSERVE],
+                   help="with --recall-cost: how the answer's compression back to the budget is observed — "
+                        "probe: its probe decoded, kept: the queries its tokens had (Engine(decode_observe=); "
                         "default %(default)s); several: side by side")
     p.add_argument("--frontier", action="store_true",
                    help="per --contexts length: the full F16 cache, the q8_0 and q4_0 K+V caches, the method at the "

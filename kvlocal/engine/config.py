@@ -68,6 +68,7 @@ class EngineStats:
     compression_seconds: float = 0.0  # part of prefill/decode seconds: scoring, KV read/write, and the probe's decode
     compression_breakdown: dict = field(default_factory=dict)  # seconds by step: observe, read, score, apply
     observations_moved: int = 0  # events scored by an earlier probe decode's queries, moved by RoPE (observe_every)
+    observations_kept: int = 0  # decode-time events scored by the queries their probe's tokens had (decode_observe)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     repositions: int = 0  # times an endless session moved its positions back into the trained range
@@ -108,6 +109,12 @@ def resolve_recall(recall: bool | None, method: str) -> bool:
 
 # prefill compression events one decode of the probe scores (kvlocal.engine.observation; docs/engine.md)
 OBSERVE_EVERY = 4
+
+# how a decode-time event (the cache full while generating) is observed: "probe" decodes its probe (the prompt
+# probe's end and the reply's last tokens) after the cache; "kept" uses the queries those tokens had when they were
+# decoded, turned by RoPE to the probe's positions (kvlocal.engine.observation.Observations.kept; docs/engine.md)
+DECODE_OBSERVATIONS = ("probe", "kept")
+DECODE_OBSERVE = "kept"
 
 # the most layers an event plans at once (on the context's threads, no more): the kernels release the GIL, the
 # numpy work between them does not, and every layer in flight holds its cells as float32
@@ -154,6 +161,7 @@ class EngineConfig:
     n_sink: int = 4  # first tokens always kept (attention sinks)
     max_tokens: int | None = None  # tokens a session may see in all (hard cap; sizes a ratio budget)
     observe_every: int = OBSERVE_EVERY  # prefill events one probe decode scores (kvlocal.engine.observation)
+    decode_observe: str = DECODE_OBSERVE  # a decode-time event's observation: "probe" decoded, or "kept" queries
 
     def validate(self) -> None:
         """Raise UsageError naming the fix for values the engine cannot work with."""
@@ -161,6 +169,8 @@ class EngineConfig:
             val = getattr(self, name)
             if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < lo:
                 raise UsageError(f"{name} must be a whole number >= {lo}, got {val!r}")
+        if self.decode_observe not in DECODE_OBSERVATIONS:
+            raise UsageError(f"decode_observe {self.decode_observe!r}: give one of {', '.join(DECODE_OBSERVATIONS)}")
         if self.recent > N_UBATCH // 2:
             raise UsageError(f"recent {self.recent} is too large: at most {N_UBATCH // 2} (the probe is decoded with a chunk in one batch)")
 

@@ -38,7 +38,9 @@ The observation window (docs/engine.md, "What scores the cache"):
   and, in a chat, the template's assistant header), or ``probe=`` given explicitly;
 - decode-time events: the last half-window of that probe followed by the last half-window of the reply generated
   so far, so a long reply is scored by what it is saying now as well as by the question, and does not lose its own
-  beginning to a question that never looks at it.
+  beginning to a question that never looks at it. Those tokens were all decoded once already: by default
+  (``decode_observe="kept"``) the event uses the queries they had then, turned by RoPE to the probe's positions,
+  instead of decoding the probe again (:meth:`Observations.kept`; docs/engine.md § Decode-time events).
 
 Ctrl-C (KeyboardInterrupt) at any point leaves the engine as it was before the interrupted chunk or token: cells
 past the last completed position are removed, and a compression event either completes or leaves the previous
@@ -57,7 +59,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, norm_p, observation_window, plan_layers
-from kvlocal.engine.config import OBSERVE_EVERY, PLAN_WORKERS, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_ROOM, RECALL_STEP_EVERY, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
+from kvlocal.engine.config import DECODE_OBSERVE, OBSERVE_EVERY, PLAN_WORKERS, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_ROOM, RECALL_STEP_EVERY, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
 from kvlocal.engine.interrupts import interrupts_deferred
 from kvlocal.engine.observation import Observations, Rope
 from kvlocal.engine.positions import reposition
@@ -112,9 +114,10 @@ class Engine(Reselection):
         recall_room: int = RECALL_ROOM,
         observe_every: int = OBSERVE_EVERY,
         method_params: dict | None = None,
+        decode_observe: str = DECODE_OBSERVE,
     ):
         budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
-        self.cfg = EngineConfig(budget, method, chunk, recent, n_sink, max_tokens, observe_every)
+        self.cfg = EngineConfig(budget, method, chunk, recent, n_sink, max_tokens, observe_every, decode_observe)
         self.cfg.validate()
         self.scorer = make_scorer(method, **(method_params or {}))  # e.g. {"value_norm": "l2"} (CriticalKV)
         recall = resolve_recall(recall, method)
@@ -234,6 +237,7 @@ class Engine(Reselection):
         self._check_cap(len(tokens))
         probe = self._probe_tokens(probe)
         self._probe, self._reply = probe, []
+        self.observations.drop_tokens()
         self._answering = False
         observed = None  # the probe's queries over the cache as it is now
         i = 0
@@ -287,13 +291,11 @@ class Engine(Reselection):
             if self._fit_positions(1 + self.cfg.recent):
                 self._held = None  # queries at positions that moved
             if self.live_cells() + 1 > self.ctx.n_ctx - self._reserve():
-                self._compress(self.decode_probe())
+                self._compress(self.decode_probe(), decoding=True)
             eog = self.model.is_eog(tok)
             decoded = self._answering and len(self._reply) < self.recall_steps and not eog and self._recall_step(tok)
             if not decoded:
-                with self._rollback():
-                    self.logits = self._decode([tok], [self.n_past], "last")
-                    self.n_past += 1
+                self._decode_token(tok)
             self.last_token = tok
             self._reply.append(tok)
             self._note_live()
@@ -356,6 +358,32 @@ class Engine(Reselection):
                              f"most recent ones they do not fit the budget's {self.head_budget:,} cells per head: raise --budget "
                              f"or shorten the system prompt")
         self.stats.kv_cells_pinned = n
+
+    def _decode_token(self, tok: int) -> None:
+        """Decode a generated token. With ``decode_observe="kept"``, the last half-window of tokens before a
+        decode-time event keep the queries of their decode, so that the event needs no probe decode."""
+        w = self.cfg.recent
+        keep = (self.cfg.decode_observe == "kept" and self.cfg.method != "full"
+                and self.ctx.n_ctx - self._reserve() - self.live_cells() <= w // 2)
+        with self._rollback():
+            if keep:
+                self.capture.arm(1)
+            self.logits = self._decode([tok], [self.n_past], "last")
+            if keep:
+                self.observations.keep_token(self.capture.take(), self.n_past, w // 2)
+            self.n_past += 1
+
+    def _kept_observation(self, probe: list[int]):
+        """The observation of a decode-time event with ``probe`` (:meth:`decode_probe`) from the queries its
+        tokens already had (:meth:`Observations.kept`), or None: the probe is decoded."""
+        if self.cfg.decode_observe != "kept":
+            return None
+        n_reply = len(self._reply[-(self.cfg.recent // 2):]) if self.cfg.recent > 1 else 0
+        observed = self.observations.kept(probe[:len(probe) - n_reply], n_reply, self.n_past)
+        if observed is not None:
+            self.stats.observations_kept += 1
+            self.last_probe = list(probe)
+        return observed
 
     def decode_probe(self) -> list[int]:
         """The probe of a decode-time event: the last half-window of the prompt's probe followed by the
@@ -457,6 +485,7 @@ class Engine(Reselection):
         self.last_probe = list(probe)
         q_pos = np.arange(self.n_past, self.n_past + len(probe))
         self.observations.keep(probe, queries, q_pos)
+        self.observations.keep_prompt(probe, queries, q_pos)
         # the probe's share of this decode counts as compression time (estimated by token share)
         dt = (time.perf_counter() - t0) * len(probe) / len(seq)
         self.stats.compression_seconds += dt
@@ -489,11 +518,14 @@ class Engine(Reselection):
         """The cells as one event reads them (a seam for tests that record what was scored)."""
         return self.kv.read()
 
-    def _compress(self, probe: Sequence[int], observed=None) -> None:
+    def _compress(self, probe: Sequence[int], observed=None, decoding: bool = False) -> None:
         """One compression event back to the budget; ``observed``: the probe's queries if the last decode
-        already captured them over the current cache, else the probe is decoded now."""
+        already captured them over the current cache, else the probe is decoded now (``decoding``: an event
+        while generating, which may be observed by the queries its probe's tokens already had)."""
         clock = time.perf_counter
         t0 = clock()
+        if observed is None and decoding:
+            observed = self._kept_observation(probe)
         if observed is None:
             o = self.observations
             if o.needs_decode(probe):

@@ -87,6 +87,8 @@ class Observations:
         self._q: list[np.ndarray] | None = None
         self._pos0 = 0
         self._served = 0
+        self._prompt: tuple[tuple[int, ...], list[np.ndarray], np.ndarray] | None = None
+        self._tokens: list[tuple[list[np.ndarray], int]] = []  # decoded tokens' own queries, oldest first
 
     def keep(self, probe, q: list[np.ndarray], q_pos: np.ndarray) -> None:
         """A fresh decode of ``probe``: queries ``q`` (per compressed layer ``[Hq, w, d]``) at ``q_pos``."""
@@ -103,6 +105,37 @@ class Observations:
         q = [self.rope.rotate(qi, delta) for qi in self._q]
         self._served += 1
         return q, np.arange(p0, p0 + q[0].shape[1])
+
+    # -- decode-time events: the queries the probe's tokens already had (Engine(decode_observe="kept")) --------
+    def keep_prompt(self, probe, q: list[np.ndarray], q_pos: np.ndarray) -> None:
+        """The latest decode of a prompt's probe (the reading's last event, a question's re-selection)."""
+        self._prompt = tuple(probe), q, np.asarray(q_pos)
+
+    def keep_token(self, q: list[np.ndarray], pos: int, n: int) -> None:
+        """A generated token's own queries (per layer ``[Hq, 1, d]``) from its decode at ``pos``; the last ``n``
+        are kept."""
+        self._tokens = (self._tokens + [(q, int(pos))])[-n:]
+
+    def drop_tokens(self) -> None:
+        self._tokens = []
+
+    def kept(self, prompt_part, n_reply: int, p0: int) -> tuple[list[np.ndarray], np.ndarray] | None:
+        """A decode-time event's observation without a decode: the queries the prompt probe's tokens
+        ``prompt_part`` (its end) had when it was decoded, then those of the last ``n_reply`` generated tokens
+        (their own decodes, ending at ``p0 - 1``), each turned by RoPE to the position a probe decoded now
+        would give it (``p0, p0 + 1, ...``). Exact in position; in content each query is what its token
+        computed over the cache of its time (as :meth:`moved`'s are). None where something is missing: then
+        the probe is decoded."""
+        k = len(prompt_part)
+        tokens = self._tokens[len(self._tokens) - n_reply:] if n_reply else []
+        if (self.rope is None or k + n_reply == 0 or [p for _, p in tokens] != list(range(p0 - n_reply, p0))
+                or (k and (self._prompt is None or self._prompt[0][-k:] != tuple(prompt_part)))):
+            return None
+        parts = ([[qi[:, -k:] for qi in self._prompt[1]]] if k else []) + [q for q, _ in tokens]
+        pos = np.concatenate([self._prompt[2][-k:] if k else np.zeros(0, np.int64), [p for _, p in tokens]])
+        q = [np.concatenate(layer, axis=1) for layer in zip(*parts)]
+        target = np.arange(p0, p0 + len(pos))
+        return [self.rope.rotate(qi, np.broadcast_to(target - pos, qi.shape[:2])) for qi in q], target
 
 
 def joined(a, b):

@@ -28,7 +28,10 @@ class Reselection:
         self._check_usable()
         t0 = time.perf_counter()
         pending = len(probe or ()) if pending is None else pending
-        moved = self._reselect(*self._observe(self._probe_tokens(probe))[:2], self.recall_candidates, pending)
+        probe = self._probe_tokens(probe)
+        q, q_pos = self._observe(probe)[:2]
+        self.observations.keep_prompt(probe, q, q_pos)  # the question's queries: for its answer's decode-time events
+        moved = self._reselect(q, q_pos, self.recall_candidates, pending)
         self.stats.recall_events += 1
         self.stats.recall_seconds += time.perf_counter() - t0
         return moved

@@ -2,7 +2,8 @@
 
 Compression loss, as in the CriticalKV paper: ``(full − method) / full`` of a task's score, against the
 full F16 cache of the same model, task, seed and context length (undefined where the full cache scores 0).
-For ``continuation`` the score is greedy agreement with the full cache, so its loss is ``1 − agreement``.
+For ``continuation`` and ``generation`` the score is greedy agreement with the full cache, so their loss is
+``1 − agreement``; their mean KL(full ‖ method) gets a column of its own ("KL", "gen KL").
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import csv
 import json
 from collections import defaultdict
 from pathlib import Path
+
+KL_TASKS = {"continuation": "KL", "generation": "gen KL"}  # tasks scored against the full cache's distributions
 
 COLUMNS = ["model", "model_sha256", "task", "method", "budget", "observation", "seed", "n_tokens", "prompt_tokens",
            "score", "full_score", "loss", "mean_kl", "kv_bytes_allocated", "kv_bytes_full", "budget_cells", "n_ctx",
@@ -66,8 +69,8 @@ def _fmt(x) -> str:
 
 def summary(records: list[dict]) -> str:
     """Markdown: per model, a row per method, budget and observation mode; a column per task (score, and
-    the loss in brackets), the mean loss over tasks, the continuation's mean KL(full ‖ method) and the KV
-    MiB allocated (largest over tasks)."""
+    the loss in brackets), the mean loss over tasks, the continuation's and generation's mean KL(full ‖ method)
+    and the KV MiB allocated (largest over tasks)."""
     lines = []
     by_model = defaultdict(list)
     for r in records:
@@ -77,19 +80,19 @@ def summary(records: list[dict]) -> str:
         rows = defaultdict(dict)
         for r in rs:
             rows[(r["method"], r["budget"], r["observation"])][r["task"]] = r
-        kl = "continuation" in tasks
+        kls = [t for t in KL_TASKS if t in tasks]
         lines += [f"**{model}** ({rs[0]['model_file']}, ~{max(r['prompt_tokens'] for r in rs)} tokens, seed {rs[0]['seed']}):", "",
-                  "| method | budget | observation | " + " | ".join(tasks) + " | mean loss |" + (" KL |" if kl else "")
-                  + " KV MiB |",
-                  "|---|---|---|" + "---|" * len(tasks) + "---|" + ("---|" if kl else "") + "---|"]
+                  "| method | budget | observation | " + " | ".join(tasks) + " | mean loss |"
+                  + "".join(f" {KL_TASKS[t]} |" for t in kls) + " KV MiB |",
+                  "|---|---|---|" + "---|" * len(tasks) + "---|" + "---|" * len(kls) + "---|"]
         for (method, budget, obs), cells in rows.items():
             losses = [c["loss"] for c in cells.values() if c["loss"] is not None]
             scores = [f"{_fmt(cells[t]['score'])}" + (f" ({_fmt(cells[t]['loss'])})" if method != "full" and t in cells else "")
                       if t in cells else "" for t in tasks]
             mib = max(c["kv_bytes_allocated"] for c in cells.values()) / 2**20
-            kl_cell = f" {cells['continuation']['mean_kl']:.3f} |" if "continuation" in cells else " |"
+            kl_cells = "".join(f" {cells[t]['mean_kl']:.3f} |" if t in cells else " |" for t in kls)
             lines.append(f"| {method} | {budget:g} | {obs} | " + " | ".join(scores)
-                         + f" | {_fmt(sum(losses) / len(losses)) if losses else '–'} |" + (kl_cell if kl else "")
+                         + f" | {_fmt(sum(losses) / len(losses)) if losses else '–'} |" + kl_cells
                          + f" {mib:.1f} |")
         lines.append("")
     return "\n".join(lines)
@@ -110,7 +113,8 @@ def targets(records: list[dict]) -> str:
     eviction on a q8_0 cache against the q4_0 full cache, and the best compressed run at no more KV bytes
     than the q4_0 full cache against it (KL and retrieval). "n/a" where the runs are not in the file."""
     lines = ["**Targets** (measured from the runs above; retrieval = mean score of the tasks other than "
-             "continuation, KL = continuation's mean KL against the full F16 cache; *beats* = lower KL and "
+             "continuation and generation, KL = continuation's mean KL against the full F16 cache; "
+             "*beats* = lower KL and "
              "retrieval no worse):", ""]
     for model in dict.fromkeys(r["model"] for r in records):
         rs = [r for r in records if r["model"] == model]
@@ -124,7 +128,7 @@ def targets(records: list[dict]) -> str:
 
         def figures(runs) -> tuple[float | None, float | None, int]:
             kl = _mean(r.get("mean_kl") for r in runs if r["task"] == "continuation")
-            ret = _mean(r["score"] for r in runs if r["task"] != "continuation")
+            ret = _mean(r["score"] for r in runs if r["task"] not in KL_TASKS)
             return kl, ret, max(r["kv_bytes_allocated"] for r in runs)
 
         small = sorted({b for (_, b, _) in by if b <= 0.2})

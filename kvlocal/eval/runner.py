@@ -16,7 +16,10 @@ wait on the host and the question re-selects the cache before it is decoded, as 
 do; without the suffix a method runs with recall off. ``+everyN`` (``criticalkv+every4``): the prompt's compression
 events decode the probe once in N and are otherwise scored by its queries moved by RoPE (the engine's
 ``observe_every``; kvlocal/engine/observation.py). ``+l2`` / ``+l1`` (``criticalkv+l2``, ``criticalkv+l2+recall``): the
-value norm CriticalKV ranks by, the paper's L1 (the default) or L2 (its ``value_norm``; docs/engine.md).
+value norm CriticalKV ranks by, the paper's L1 (the default) or L2 (its ``value_norm``; docs/engine.md). ``+kept``
+(``criticalkv+kept``): a compression while generating is scored by the queries its probe's tokens had when they
+were decoded, not by decoding the probe again (the engine's ``decode_observe="kept"``); the ``generation`` task
+is where such events happen.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from kvlocal.compress import MERGING_METHODS, METHODS, VALUE_NORMS, method_param
 from kvlocal.runtime import Sampler
 from kvlocal.chat.session import ChatSession
 from kvlocal.eval.metrics import compare_logits
-from kvlocal.eval.tasks import CHAT_TASKS, Item, Prose, make_items, score
+from kvlocal.eval.tasks import CHAT_TASKS, GENERATION_TASKS, N_GENERATED, Item, Prose, make_items, score
 
 # quantized caches, K alone or K and V: ggml types (8 = q8_0, 2 = q4_0; None = F16). llama.cpp stores a
 # quantized V cache only with flash attention, which the Engine then turns on
@@ -52,6 +55,7 @@ EVICTION = tuple(m for m in METHODS if m != "full")
 
 RECALL = "+recall"  # the suffix of a method run with the recall tier
 EVERY = re.compile(r"\+every(\d+)$")  # the suffix of a method whose probe is decoded once in N events
+KEPT = "kept"  # a part of a method's name (+kept): decode-time events observed by the queries their tokens had
 
 
 def method_params(name: str) -> dict:
@@ -59,6 +63,11 @@ def method_params(name: str) -> dict:
     ``value_norm``, one of :data:`~kvlocal.compress.VALUE_NORMS`)."""
     norm = [part for part in name.partition("@")[0].split("+")[1:] if part in VALUE_NORMS]
     return {"value_norm": norm[-1]} if norm else {}
+
+
+def decode_observe(name: str) -> str:
+    """The engine's ``decode_observe`` for a method as the eval names it (``+kept``; "probe" without)."""
+    return "kept" if KEPT in name.partition("@")[0].split("+")[1:] else "probe"
 
 
 def observe_every(name: str) -> int:
@@ -78,12 +87,16 @@ def split_method(name: str) -> tuple[str, tuple[int | None, int | None], bool]:
         raise ValueError(name)
     method = EVERY.sub("", method)
     norm = any(part in VALUE_NORMS for part in method.split("+")[1:])
-    method = "+".join(part for i, part in enumerate(method.split("+")) if i == 0 or part not in VALUE_NORMS)
+    kept = KEPT in method.split("+")[1:]
+    method = "+".join(part for i, part in enumerate(method.split("+"))
+                      if i == 0 or (part not in VALUE_NORMS and part != KEPT))
     recall = method.endswith(RECALL)
     method = method.removesuffix(RECALL)
     if not (method in EVICTION or method == "full" and not cache and not recall) or (cache and cache not in CACHES):
         raise ValueError(name)
     if (recall and method in MERGING_METHODS) or (norm and "value_norm" not in scorer_params(method)):
+        raise ValueError(name)
+    if kept and method in ("full",) + QUERY_FREE:  # nothing observes a probe there
         raise ValueError(name)
     return method, CACHES[cache] if cache else (None, None), recall
 QUERY_FREE = ("streaming",)  # methods that never look at the probe: one observation mode, "-"
@@ -174,7 +187,8 @@ class Runner:
         method, (type_k, type_v), recall = split_method(spec.method)
         return Engine(self.model, "1" if method == "full" else spec.budget, method, max_tokens=max_tokens,
                       n_threads=self.n_threads, type_k=type_k, type_v=type_v, recall=recall,
-                      observe_every=observe_every(spec.method), method_params=method_params(spec.method))
+                      observe_every=observe_every(spec.method), method_params=method_params(spec.method),
+                      decode_observe=decode_observe(spec.method))
 
     def run(self, spec: Spec, n_items: int | None = None) -> dict:
         """One spec over its task's items -> the record (without the command)."""
@@ -202,7 +216,7 @@ class Runner:
                "recall_steps_confident": sum(s["recall_steps_confident"] for s in stats),  # kept their decode
                "recall_rows_in": sum(s["recall_rows_in"] for s in stats),
                "seconds": time.perf_counter() - t0, "items": results}
-        if spec.task == "continuation":
+        if spec.task in ("continuation",) + GENERATION_TASKS:
             rec["mean_kl"] = float(np.mean([r["mean_kl"] for r in results]))
         return rec
 
@@ -213,9 +227,10 @@ class Runner:
         probe = (None if spec.observation == "agnostic"
                  else m.tokenize(item.question, add_special=False) if item.question else tokens[-32:])
         if item.kind == "continuation":
-            forced = m.tokenize(item.forced, add_special=False)[:N_FORCED]
+            generated = spec.task in GENERATION_TASKS  # forced through the engine's decode loop, events and all
+            forced = m.tokenize(item.forced, add_special=False)[:N_GENERATED if generated else N_FORCED]
             eng = self.engine(spec, len(tokens) + len(forced))
-            logits = self._forced_logits(eng, tokens, probe, forced)
+            logits = (self._generated_logits if generated else self._forced_logits)(eng, tokens, probe, forced)
             k = (spec.task, spec.seed, spec.n_tokens, index)
             if k not in self._reference:
                 self._reference[k] = logits if spec.method == "full" else self._full_logits(spec, tokens, forced)
@@ -252,9 +267,26 @@ class Runner:
         rest = eng.ctx.decode(forced[:-1], range(eng.n_past, eng.n_past + len(forced) - 1), "all")
         return np.concatenate([first[None], rest])
 
+    @staticmethod
+    def _generated_logits(eng: Engine, tokens, probe, forced) -> np.ndarray:
+        """As :meth:`_forced_logits`, but the forced tokens go through the engine's own generation loop (its
+        sampler picks the real text's next token), so the compressions of generation fall inside them."""
+        read_prompt(eng, tokens, probe)
+        rows = []
+
+        def forcing(logits: np.ndarray) -> int:  # the distribution after the prompt, then after each forced token
+            rows.append(logits.copy())
+            return forced[len(rows) - 1]
+
+        for _ in eng.generate(len(forced), sampler=forcing, stop_at_eog=False):
+            pass
+        return np.stack(rows)
+
     def _full_logits(self, spec: Spec, tokens, forced) -> np.ndarray:
         ref = Spec(spec.model, spec.task, "full", 1.0, "-", spec.seed, spec.n_tokens)
-        return self._forced_logits(self.engine(ref, len(tokens) + len(forced)), tokens, None, forced)
+        eng = self.engine(ref, len(tokens) + len(forced))
+        forcing = self._generated_logits if spec.task in GENERATION_TASKS else self._forced_logits
+        return forcing(eng, tokens, None, forced)
 
 
 def read_prompt(eng: Engine, tokens: list[int], probe, tail: int = 32) -> np.ndarray:

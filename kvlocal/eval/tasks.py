@@ -230,6 +230,23 @@ def continuation(prose: Prose, n_tokens: int, rng: random.Random, n_forced: int 
     return [Item("continuation", "next", doc, "", [], kind="continuation", n_generate=0, forced=rest)]
 
 
+N_GENERATED = 768  # generation: tokens forced through the decode loop (past two compressions at 0.1 of 4K)
+
+
+def generation(prose: Prose, n_tokens: int, rng: random.Random, n_forced: int = N_GENERATED) -> list[Item]:
+    """About ``n_tokens`` of real text read, then the ``n_forced`` tokens that follow it forced through the
+    engine's own generation loop (the runner's): the cache fills again while it is written, so the
+    compressions of generation — never inside ``continuation``'s 64 tokens — fall inside it. Scored as
+    ``continuation`` is (KL against the full cache, greedy agreement)."""
+    sents = prose.take(n_tokens + 2 * n_forced, rng)
+    cut, total = 0, 0
+    while cut < len(sents) - 1 and total < n_tokens:
+        total += prose.count(sents[cut])
+        cut += 1
+    doc, rest = "".join(sents[:cut]), "".join(sents[cut:])
+    return [Item("generation", "next", doc, "", [], kind="continuation", n_generate=0, forced=rest)]
+
+
 TASKS: dict[str, Callable[..., list[Item]]] = {
     "needle": needle,
     "multikey": multikey,
@@ -237,7 +254,9 @@ TASKS: dict[str, Callable[..., list[Item]]] = {
     "docqa": docqa,
     "continuation": continuation,
     "multiturn": multiturn,
+    "generation": generation,
 }
+GENERATION_TASKS = ("generation",)  # scored as continuation is, forced through the decode loop (the runner)
 CHAT_TASKS = ("multiturn",)  # asked in a chat session: the turns are the probe (observation "chat")
 
 
