@@ -330,7 +330,13 @@ def test_ctrl_c_is_a_clean_stop(smollm2_model, prose, ctrl_c_prefill_seconds, at
     toks = m.tokenize(prose)[:1000]
     eng = Engine(m, 128, max_tokens=4000, chunk=64, n_threads=THREADS)
     delay = at * ctrl_c_prefill_seconds
-    timer = threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGINT))
+    sent = []
+
+    def ctrl_c():
+        sent.append(signal.getsignal(signal.SIGINT))  # the handler the signal will meet
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Timer(delay, ctrl_c)
     t0 = time.perf_counter()
     timer.start()
     try:
@@ -341,9 +347,14 @@ def test_ctrl_c_is_a_clean_stop(smollm2_model, prose, ctrl_c_prefill_seconds, at
     finally:
         timer.cancel()
     elapsed = time.perf_counter() - t0
-    if not interrupted:  # (the timer was cancelled: no signal is on its way)
+    if not interrupted and not sent:  # (the timer was cancelled: no signal is on its way)
         pytest.skip(f"the prefill ended ({elapsed:.1f} s) before the signal at {delay:.1f} s "
                     f"({at} of the {ctrl_c_prefill_seconds:.1f} s it took before): the machine sped up")
+    if not interrupted:  # seen twice in full-suite runs, never alone: say what the signal met, to find why
+        status = dict(line.split(":\t") for line in open("/proc/self/status").read().splitlines() if ":\t" in line)
+        pytest.skip(f"the SIGINT sent at {delay:.1f} s was lost: the prefill ran to its end ({elapsed:.1f} s) without "
+                    f"KeyboardInterrupt; SIGINT's handler then: {sent[0]!r}, now: {signal.getsignal(signal.SIGINT)!r}; "
+                    f"SigIgn {status.get('SigIgn')}, SigBlk {status.get('SigBlk')}")
     cells, pos = eng.ctx.cells()
     assert len(cells) == eng.stats.kv_cells_live
     assert eng.n_past == 0 or pos.max() == eng.n_past - 1
