@@ -43,7 +43,9 @@ def main() -> None:
     doc = model.tokenize(text)[:1500]
     q = model.tokenize(QUESTION, add_special=False)
     for name, cls in (("question only", QuestionOnly), ("question + reply (kvlocal)", Engine)):
-        eng = cls(model, args.budget, max_tokens=len(doc) + len(q) + args.reply, chunk=128, n_threads=args.threads)
+        # both decode their probe (what is compared is the probe's tokens, not how its queries are had)
+        eng = cls(model, args.budget, max_tokens=len(doc) + len(q) + args.reply, chunk=128, n_threads=args.threads,
+                  decode_observe="probe")
         eng.prefill(doc + q, probe=q)
         start = eng.n_past
         reply = list(eng.generate(args.reply, Sampler(), stop_at_eog=False))

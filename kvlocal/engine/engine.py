@@ -379,6 +379,8 @@ class Engine(Reselection):
         if self.cfg.decode_observe != "kept":
             return None
         n_reply = len(self._reply[-(self.cfg.recent // 2):]) if self.cfg.recent > 1 else 0
+        if list(probe[len(probe) - n_reply:]) != self._reply[len(self._reply) - n_reply:]:
+            return None  # not decode_probe's layout (a subclass's own probe): decode it
         observed = self.observations.kept(probe[:len(probe) - n_reply], n_reply, self.n_past)
         if observed is not None:
             self.stats.observations_kept += 1
