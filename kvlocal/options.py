@@ -34,7 +34,7 @@ def add_llama_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_budget_args(p: argparse.ArgumentParser) -> None:
-    from kvlocal.compress import METHODS
+    from kvlocal.compress import METHODS, VALUE_NORMS
     from kvlocal.engine.config import OBSERVE_EVERY, RECALL_STEPS
 
     p.add_argument("--budget", default="0.1",
@@ -63,6 +63,9 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recall-steps", metavar="N", type=int, default=RECALL_STEPS,
                    help="the first N tokens of each answer re-select the cache too, each with its own query "
                         "(default %(default)s; 0: only the question does; docs/recall.md)")
+    p.add_argument("--value-norm", choices=list(VALUE_NORMS), default=None,
+                   help="the norm of CriticalKV's projected values, |v·W_O|: l1 (the paper's, the default) or l2 "
+                        "(the same ranking's cheaper lever: docs/engine.md)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -87,6 +90,8 @@ def check_llama_args(args) -> None:
         raise UsageError(f"-t/--threads {args.threads}: give at least 1 (default: the cores, at most 8)")
     if getattr(args, "observe_every", 1) < 1:
         raise UsageError(f"--observe-every {args.observe_every}: give at least 1 (1: the probe is decoded for every event)")
+    if getattr(args, "value_norm", None) is not None:
+        check_value_norm(args.method)
     if hasattr(args, "recall"):
         check_recall_args(args)
 
@@ -142,12 +147,27 @@ def engine_from_args(args, model, max_tokens: int):
               file=sys.stderr)
     return Engine(model, budget, args.method, max_tokens=max_tokens, chunk=args.chunk, recent=args.recent,
                   flash_attn=args.flash_attn, n_threads=args.threads, backend=args.backend, **cache_types(args),
-                  **recall_args(args), **observe_args(args))
+                  **recall_args(args), **observe_args(args),
+                  method_params=None if args.value_norm is None else {"value_norm": args.value_norm})
 
 
 def observe_args(args) -> dict:
     """``--observe-every`` → the Engine's and Chat's ``observe_every`` keyword."""
     return dict(observe_every=args.observe_every)
+
+
+def check_value_norm(method: str) -> None:
+    """UsageError unless ``method`` has CriticalKV's value norm to set (``--value-norm``)."""
+    from kvlocal.compress import METHODS, method_params
+
+    if method in METHODS and "value_norm" not in method_params(method):
+        raise UsageError(f"--value-norm: --method {method} has no value norm; use criticalkv, criticalkv+adakv or "
+                         "criticalkv+kvslimmer, or leave --value-norm out")
+
+
+def norm_args(args) -> dict:
+    """``--value-norm`` → Chat's ``value_norm`` keyword (None: the method's own)."""
+    return dict(value_norm=args.value_norm)
 
 
 def cache_types(args) -> dict:

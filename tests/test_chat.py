@@ -198,3 +198,26 @@ def test_saved_merged_and_sliding_window_sessions_reload(request, tmp_path, mode
         assert chat.settings.cache_type_k == chat.settings.cache_type_v == cache
         assert np.array_equal(chat.engine.kv.record.count, counts)
         assert chat.ask(Q2, 12) == expected
+
+
+def test_value_norm_reaches_the_scorer_and_the_saved_session(smollm2_model, tmp_path):
+    """Chat(value_norm="l2") (kvlocal chat/serve --value-norm) ranks CriticalKV's values by L2, and a saved session
+    keeps it; a method without the norm, or a norm not known, is refused before any model work."""
+    from kvlocal.compress import norm_p
+
+    with Chat(smollm2_model, budget=128, value_norm="l2") as chat:
+        chat.read(PROSE[:2000], name="doc.txt")
+        assert chat.engine.stats.compression_events > 0 and norm_p(chat.engine.scorer) == 2
+        chat.save(tmp_path / "l2.kvl")
+    with Chat.load(tmp_path / "l2.kvl", model=smollm2_model) as chat:
+        assert norm_p(chat.engine.scorer) == 2
+        chat.reconfigure(method="snapkv")  # /method: a method without the norm runs; switching back keeps L2
+        assert chat.settings.method == "snapkv" and norm_p(chat.engine.scorer) == 1
+        chat.reconfigure(method="criticalkv")
+        assert norm_p(chat.engine.scorer) == 2
+    with Chat(smollm2_model, budget=128) as chat:  # the default: the paper's L1
+        assert norm_p(chat.engine.scorer) == 1
+    for kw, says in ((dict(method="snapkv", value_norm="l2"), "method snapkv has no value norm"),
+                     (dict(value_norm="l3"), "give one of l1, l2")):
+        with pytest.raises(UsageError, match=says):
+            Chat(smollm2_model, budget=128, **kw)

@@ -555,6 +555,7 @@ def test_cli_rejects_bad_input_with_one_line(smollm2, prompt_file):
         "unknown method": (["--method", "nope"], "unknown compression method"),
         "prompt over -c": (["-c", "100"], "-c"),
         "observe-every 0": (["--observe-every", "0"], "--observe-every 0: give at least 1"),
+        "value-norm without one": (["--value-norm", "l2", "--method", "snapkv"], "--method snapkv has no value norm"),
     }
     with ThreadPoolExecutor(2) as pool:
         results = dict(zip(cases, pool.map(lambda args: run_cli(*base, *args[0]), cases.values())))

@@ -34,6 +34,7 @@ from typing import Callable, Iterator
 
 from kvlocal import __version__
 from kvlocal.chat import saved
+from kvlocal.compress import METHODS, VALUE_NORMS, method_params
 from kvlocal.engine import OBSERVE_EVERY, RECALL_STEPS, Budget, Engine, EngineState
 from kvlocal.errors import UsageError
 from kvlocal.recall import parse_size
@@ -65,6 +66,7 @@ class ChatSettings:
     pin_system: bool = True  # the system message is never evicted
     observe_every: int = OBSERVE_EVERY  # events one decode of a reading's probe scores (kvlocal.engine.observation)
     recall_steps: int = RECALL_STEPS  # an answer's first tokens that re-select the cache with their own query
+    value_norm: str | None = None  # CriticalKV's value norm, "l1" or "l2" (None: the method's own, L1)
 
 
 @dataclass(frozen=True)
@@ -113,15 +115,22 @@ class Chat:
         tools: list[dict] | None = None,
         observe_every: int = OBSERVE_EVERY,
         recall_steps: int = RECALL_STEPS,
+        value_norm: str | None = None,
     ):
         for t in (cache_type_k, cache_type_v):
             cache_type(t)  # UsageError naming the choices, before a model is loaded
+        if value_norm is not None:  # the method's scorer refuses it too, but only once a model is loaded
+            if method in METHODS and "value_norm" not in method_params(method):
+                raise UsageError(f"value_norm: method {method} has no value norm; use criticalkv, criticalkv+adakv "
+                                 "or criticalkv+kvslimmer, or leave value_norm out")
+            if value_norm not in VALUE_NORMS:
+                raise UsageError(f"value_norm {value_norm!r}: give one of {', '.join(VALUE_NORMS)}")
         if isinstance(recall_mem, str):
             recall_mem = parse_size(recall_mem)
         settings = ChatSettings(str(Budget.parse(budget)), method, ctx_size, chunk, recent, flash_attn, system, max_reply,
                                 cache_type_k.lower(), cache_type_v.lower(), backend, recall, recall_mem,
                                 None if recall_dir is None else os.fspath(recall_dir), pin_system, observe_every,
-                                recall_steps)
+                                recall_steps, value_norm)
         if isinstance(model, Model):
             self.model, self._own_model = model, False
         else:
@@ -396,7 +405,7 @@ class Chat:
                    n_gpu_layers=n_gpu_layers, flash_attn=s.flash_attn, n_threads=n_threads,
                    cache_type_k=s.cache_type_k, cache_type_v=s.cache_type_v, backend=s.backend, recall=s.recall,
                    recall_mem=s.recall_mem, recall_dir=s.recall_dir, pin_system=s.pin_system,
-                   observe_every=s.observe_every, recall_steps=s.recall_steps)
+                   observe_every=s.observe_every, recall_steps=s.recall_steps, value_norm=s.value_norm)
         try:
             a, e = f.arrays, h["engine"]
             if chat.engine.tier is not None and "tier_n" in a:
@@ -440,7 +449,12 @@ class Chat:
                       flash_attn=s.flash_attn, n_threads=self._threads, endless=s.method != "full",
                       type_k=cache_type(s.cache_type_k), type_v=cache_type(s.cache_type_v), backend=s.backend,
                       recall=s.recall, recall_mem=s.recall_mem, recall_dir=s.recall_dir, observe_every=s.observe_every,
-                      recall_steps=s.recall_steps)
+                      recall_steps=s.recall_steps, method_params=self._method_params(s))
+
+    @staticmethod
+    def _method_params(s: ChatSettings) -> dict | None:
+        """The value norm where the method has one (a /method switch to another keeps it for a switch back)."""
+        return {"value_norm": s.value_norm} if s.value_norm and "value_norm" in method_params(s.method) else None
 
     def _checkpoint(self) -> tuple[EngineState, Transcript]:
         return self.engine.snapshot(), self.session.t.copy()

@@ -285,7 +285,7 @@ def _stdin_lines(prompt: str) -> str:
 
 def run(args) -> int:
     """``kvlocal chat``: build the chat from the command line, read ``--file`` documents, loop."""
-    from kvlocal.options import check_llama_args, observe_args, recall_args, sampler_from_args
+    from kvlocal.options import check_llama_args, norm_args, observe_args, recall_args, sampler_from_args
     from kvlocal.models import resolve
     from kvlocal.runtime import Model, runtime_info
 
@@ -305,7 +305,7 @@ def run(args) -> int:
                         chunk=args.chunk, recent=args.recent, max_reply=args.n_predict, flash_attn=args.flash_attn,
                         n_threads=args.threads, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                         backend=args.backend, pin_system=args.pin_system == "on", **recall_args(args),
-                        **observe_args(args))
+                        **observe_args(args), **norm_args(args))
         with chat:
             interactive = sys.stdin.isatty()
             repl = Repl(chat, interactive)

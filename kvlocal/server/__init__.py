@@ -40,7 +40,7 @@ from pathlib import Path
 
 from kvlocal.errors import UsageError
 from kvlocal.options import (add_budget_args, add_llama_args, add_model_arg, add_sampling_args, check_llama_args,
-                             observe_args, recall_args, sampler_from_args)
+                             norm_args, observe_args, recall_args, sampler_from_args)
 from kvlocal.server.app import _bind, _serve, create_app
 from kvlocal.server.sessions import SessionDir
 from kvlocal.server.worker import DEFAULT_CACHE_CHATS, DEFAULT_CACHE_MIB, Worker
@@ -93,7 +93,7 @@ def run(args) -> int:
             budget=args.budget, method=args.method, ctx_size=args.ctx_size, chunk=args.chunk, recent=args.recent,
             max_reply=args.n_predict, flash_attn=args.flash_attn, n_threads=args.threads,
             cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, backend=args.backend,
-            pin_system=args.pin_system == "on", **recall_args(args), **observe_args(args)),
+            pin_system=args.pin_system == "on", **recall_args(args), **observe_args(args), **norm_args(args)),
             defaults=dict(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                           seed=None if args.seed == -1 else args.seed),
