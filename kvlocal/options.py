@@ -158,11 +158,11 @@ def observe_args(args) -> dict:
 
 def check_value_norm(method: str) -> None:
     """UsageError unless ``method`` has CriticalKV's value norm to set (``--value-norm``)."""
-    from kvlocal.compress import METHODS, method_params
+    from kvlocal.compress import value_norm_refusal
 
-    if method in METHODS and "value_norm" not in method_params(method):
-        raise UsageError(f"--value-norm: --method {method} has no value norm; use criticalkv, criticalkv+adakv or "
-                         "criticalkv+kvslimmer, or leave --value-norm out")
+    why = value_norm_refusal(method)
+    if why:
+        raise UsageError(f"--value-norm: --method {method} {why}, or leave --value-norm out")
 
 
 def norm_args(args) -> dict:

@@ -17,14 +17,15 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "simd.h"
 
 #define KVL_TEMPLATE "pages.inc"
 #include "instances.h"
 
-/* bound[p] for pages 0..n_pages-1 (0 without queries); -1 out of memory */
+#define PADDED(n_pages) (((n_pages) + 31) / 32 * 32) /* a whole register block of pages at the widest vectors */
+
+/* bound[p] for pages 0..n_pages-1 (0 without queries; bound holds PADDED(n_pages)); -1 out of memory */
 static int page_bounds(const float * q, int m, int d, const float * kmin, const float * kmax, int n_pages,
                        float * bound) {
     if (m == 0 || n_pages == 0) {
@@ -33,12 +34,12 @@ static int page_bounds(const float * q, int m, int d, const float * kmin, const 
         }
         return 0;
     }
-    const int ld  = (n_pages + 31) / 32 * 32; /* a whole register block of pages at the widest vectors */
-    float *   loT = calloc((size_t) d * ld * 2 + ld, sizeof(float));
+    const int ld  = PADDED(n_pages);
+    float *   loT = calloc((size_t) d * ld * 2, sizeof(float));
     if (!loT) {
         return -1;
     }
-    float * hiT = loT + (size_t) d * ld, * out = hiT + (size_t) d * ld;
+    float * hiT = loT + (size_t) d * ld;
     for (int p = 0; p < n_pages; p++) {
         for (int i = 0; i < d; i++) {
             loT[(size_t) i * ld + p] = kmin[(size_t) p * d + i];
@@ -47,14 +48,13 @@ static int page_bounds(const float * q, int m, int d, const float * kmin, const 
     }
 #if KVL_X86_DISPATCH
     switch (kvl_simd_active()) {
-        case 2: page_bounds_avx512(q, m, d, loT, hiT, ld, out); break;
-        case 1: page_bounds_avx2(q, m, d, loT, hiT, ld, out); break;
-        default: page_bounds_generic(q, m, d, loT, hiT, ld, out); break;
+        case 2: page_bounds_avx512(q, m, d, loT, hiT, ld, bound); break;
+        case 1: page_bounds_avx2(q, m, d, loT, hiT, ld, bound); break;
+        default: page_bounds_generic(q, m, d, loT, hiT, ld, bound); break;
     }
 #else
-    page_bounds_generic(q, m, d, loT, hiT, ld, out);
+    page_bounds_generic(q, m, d, loT, hiT, ld, bound);
 #endif
-    memcpy(bound, out, sizeof(float) * (size_t) n_pages);
     free(loT);
     return 0;
 }
@@ -80,7 +80,7 @@ int kvl_page_candidates(const float * q, int m, int d, const float * kmin, const
     const int  n_pages = (n + page - 1) / page;
     int      * off     = malloc(sizeof(int) * (size_t) (n_pages > 0 ? n_pages : 1));
     ranked_t * rank    = malloc(sizeof(ranked_t) * (size_t) (n_pages > 0 ? n_pages : 1));
-    float    * bound   = malloc(sizeof(float) * (size_t) (n_pages > 0 ? n_pages : 1));
+    float    * bound   = malloc(sizeof(float) * (size_t) PADDED(n_pages > 0 ? n_pages : 1));
     if (!off || !rank || !bound) {
         free(off);
         free(rank);

@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 
 from kvlocal import __version__
 from kvlocal.chat import saved
-from kvlocal.compress import METHODS, VALUE_NORMS, method_params
+from kvlocal.compress import VALUE_NORMS, value_norm_refusal
 from kvlocal.engine import OBSERVE_EVERY, RECALL_STEPS, Budget, Engine, EngineState
 from kvlocal.errors import UsageError
 from kvlocal.recall import parse_size
@@ -120,9 +120,9 @@ class Chat:
         for t in (cache_type_k, cache_type_v):
             cache_type(t)  # UsageError naming the choices, before a model is loaded
         if value_norm is not None:  # the method's scorer refuses it too, but only once a model is loaded
-            if method in METHODS and "value_norm" not in method_params(method):
-                raise UsageError(f"value_norm: method {method} has no value norm; use criticalkv, criticalkv+adakv "
-                                 "or criticalkv+kvslimmer, or leave value_norm out")
+            why = value_norm_refusal(method)
+            if why:
+                raise UsageError(f"value_norm: method {method} {why}, or leave value_norm out")
             if value_norm not in VALUE_NORMS:
                 raise UsageError(f"value_norm {value_norm!r}: give one of {', '.join(VALUE_NORMS)}")
         if isinstance(recall_mem, str):
@@ -454,7 +454,7 @@ class Chat:
     @staticmethod
     def _method_params(s: ChatSettings) -> dict | None:
         """The value norm where the method has one (a /method switch to another keeps it for a switch back)."""
-        return {"value_norm": s.value_norm} if s.value_norm and "value_norm" in method_params(s.method) else None
+        return {"value_norm": s.value_norm} if s.value_norm and not value_norm_refusal(s.method) else None
 
     def _checkpoint(self) -> tuple[EngineState, Transcript]:
         return self.engine.snapshot(), self.session.t.copy()

@@ -27,7 +27,7 @@ import sys
 import time
 from importlib import resources
 
-from kvlocal.compress import VALUE_NORMS, method_params
+from kvlocal.compress import VALUE_NORMS, value_norm_refusal
 from kvlocal.engine import DECODE_OBSERVATIONS, DECODE_OBSERVE, RECALL_ROOM, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS, Budget, Engine
 from kvlocal.errors import UsageError
 from kvlocal.runtime import CACHE_TYPES, Model, cache_type, resolve_backend
@@ -89,9 +89,8 @@ def run(args) -> int:
         raise UsageError("--chunks and --observe-every: give whole numbers of at least 1")
     if args.value_norms and not args.overhead:
         raise UsageError("--value-norms is a lever of --overhead: add --overhead")
-    if args.value_norms and "value_norm" not in method_params(args.method):
-        raise UsageError(f"--value-norms: --method {args.method} has no value norm; use criticalkv, "
-                         "criticalkv+adakv or criticalkv+kvslimmer")
+    if args.value_norms and value_norm_refusal(args.method):
+        raise UsageError(f"--value-norms: --method {args.method} {value_norm_refusal(args.method)}")
     model = Model(args.model_path, n_gpu_layers=args.n_gpu_layers)
     if args.recall_cost or args.frontier:
         if any(n < 256 for n in args.contexts):

@@ -100,6 +100,15 @@ def method_params(name: str) -> list[str]:
     return sorted(set().union(*(_fields(cls) for cls in PARTS.get(name, (METHODS[name],)))))
 
 
+def value_norm_refusal(name: str) -> str | None:
+    """Why ``name`` takes no ``value_norm`` (CriticalKV's, :data:`VALUE_NORMS`) — "has no value norm; use …", the
+    methods that have one — or None where it does (or the method is unknown: refused elsewhere, by its name)."""
+    if name not in METHODS or "value_norm" in method_params(name):
+        return None
+    have = [m for m in METHODS if "value_norm" in method_params(m)]
+    return f"has no value norm; use {', '.join(have[:-1])} or {have[-1]}"
+
+
 def make_scorer(name: str, **params) -> Scorer:
     """The scorer of a method by name (``METHODS``), with hyperparameters as keyword arguments.
 
@@ -150,6 +159,7 @@ __all__ = [
     "METHODS",
     "VALUE_NORMS",
     "WO_METHODS",
+    "value_norm_refusal",
     "AdaKV",
     "CriticalKV",
     "DefensiveKV",

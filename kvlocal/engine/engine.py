@@ -242,7 +242,7 @@ class Engine(Reselection):
         observed = None  # the probe's queries over the cache as it is now
         i = 0
         while i < len(tokens):
-            room = self.ctx.n_ctx - self.live_cells() - self._reserve()
+            room = self._free_cells()
             if room < 1:
                 self._compress(probe, observed)
                 continue
@@ -290,7 +290,7 @@ class Engine(Reselection):
             self._check_cap(1)
             if self._fit_positions(1 + self.cfg.recent):
                 self._held = None  # queries at positions that moved
-            if self.live_cells() + 1 > self.ctx.n_ctx - self._reserve():
+            if self._free_cells() < 1:
                 self._compress(self.decode_probe(), decoding=True)
             eog = self.model.is_eog(tok)
             decoded = self._answering and len(self._reply) < self.recall_steps and not eog and self._recall_step(tok)
@@ -363,8 +363,7 @@ class Engine(Reselection):
         """Decode a generated token. With ``decode_observe="kept"``, the last half-window of tokens before a
         decode-time event keep the queries of their decode, so that the event needs no probe decode."""
         w = self.cfg.recent
-        keep = (self.cfg.decode_observe == "kept" and self.cfg.method != "full"
-                and self.ctx.n_ctx - self._reserve() - self.live_cells() <= w // 2)
+        keep = self.cfg.decode_observe == "kept" and self.cfg.method != "full" and self._free_cells() <= w // 2
         with self._rollback():
             if keep:
                 self.capture.arm(1)
@@ -406,6 +405,10 @@ class Engine(Reselection):
     def _probe_tokens(self, probe: Sequence[int] | None) -> list[int]:
         probe = list(probe) if probe else self.model.tokenize(AGNOSTIC_PROBE, add_special=False)
         return probe[-self.cfg.recent:]
+
+    def _free_cells(self) -> int:
+        """Cells a chunk or generated tokens may still fill before a compression event (the probe's kept free)."""
+        return self.ctx.n_ctx - self.live_cells() - self._reserve()
 
     def _reserve(self) -> int:
         """Cells to keep free for a probe's decode: the probe cap (``recent``), whatever this probe's

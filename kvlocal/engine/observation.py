@@ -127,7 +127,7 @@ class Observations:
         computed over the cache of its time (as :meth:`moved`'s are). None where something is missing: then
         the probe is decoded."""
         k = len(prompt_part)
-        tokens = self._tokens[len(self._tokens) - n_reply:] if n_reply else []
+        tokens = self._tokens[-n_reply:] if n_reply else []  # (fewer than n_reply: the positions cannot match)
         if (self.rope is None or k + n_reply == 0 or [p for _, p in tokens] != list(range(p0 - n_reply, p0))
                 or (k and (self._prompt is None or self._prompt[0][-k:] != tuple(prompt_part)))):
             return None

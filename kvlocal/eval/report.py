@@ -13,7 +13,9 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-KL_TASKS = {"continuation": "KL", "generation": "gen KL"}  # tasks scored against the full cache's distributions
+from kvlocal.eval.tasks import KL_TASKS
+
+KL_LABELS = {"continuation": "KL", "generation": "gen KL"}  # the summary's columns of the KL_TASKS
 
 COLUMNS = ["model", "model_sha256", "task", "method", "budget", "observation", "seed", "n_tokens", "prompt_tokens",
            "score", "full_score", "loss", "mean_kl", "kv_bytes_allocated", "kv_bytes_full", "budget_cells", "n_ctx",
@@ -83,7 +85,7 @@ def summary(records: list[dict]) -> str:
         kls = [t for t in KL_TASKS if t in tasks]
         lines += [f"**{model}** ({rs[0]['model_file']}, ~{max(r['prompt_tokens'] for r in rs)} tokens, seed {rs[0]['seed']}):", "",
                   "| method | budget | observation | " + " | ".join(tasks) + " | mean loss |"
-                  + "".join(f" {KL_TASKS[t]} |" for t in kls) + " KV MiB |",
+                  + "".join(f" {KL_LABELS[t]} |" for t in kls) + " KV MiB |",
                   "|---|---|---|" + "---|" * len(tasks) + "---|" + "---|" * len(kls) + "---|"]
         for (method, budget, obs), cells in rows.items():
             losses = [c["loss"] for c in cells.values() if c["loss"] is not None]

@@ -37,11 +37,11 @@ import numpy as np
 from kvlocal.engine import Engine
 from kvlocal.models import cache_dir, sha256_file
 from kvlocal.runtime import Model
-from kvlocal.compress import MERGING_METHODS, METHODS, VALUE_NORMS, method_params as scorer_params
+from kvlocal.compress import MERGING_METHODS, METHODS, VALUE_NORMS, value_norm_refusal
 from kvlocal.runtime import Sampler
 from kvlocal.chat.session import ChatSession
 from kvlocal.eval.metrics import compare_logits
-from kvlocal.eval.tasks import CHAT_TASKS, GENERATION_TASKS, N_GENERATED, Item, Prose, make_items, score
+from kvlocal.eval.tasks import CHAT_TASKS, GENERATION_TASKS, KL_TASKS, N_GENERATED, Item, Prose, make_items, score
 
 # quantized caches, K alone or K and V: ggml types (8 = q8_0, 2 = q4_0; None = F16). llama.cpp stores a
 # quantized V cache only with flash attention, which the Engine then turns on
@@ -94,7 +94,7 @@ def split_method(name: str) -> tuple[str, tuple[int | None, int | None], bool]:
     method = method.removesuffix(RECALL)
     if not (method in EVICTION or method == "full" and not cache and not recall) or (cache and cache not in CACHES):
         raise ValueError(name)
-    if (recall and method in MERGING_METHODS) or (norm and "value_norm" not in scorer_params(method)):
+    if (recall and method in MERGING_METHODS) or (norm and value_norm_refusal(method)):
         raise ValueError(name)
     if kept and method in ("full",) + QUERY_FREE:  # nothing observes a probe there
         raise ValueError(name)
@@ -216,7 +216,7 @@ class Runner:
                "recall_steps_confident": sum(s["recall_steps_confident"] for s in stats),  # kept their decode
                "recall_rows_in": sum(s["recall_rows_in"] for s in stats),
                "seconds": time.perf_counter() - t0, "items": results}
-        if spec.task in ("continuation",) + GENERATION_TASKS:
+        if spec.task in KL_TASKS:
             rec["mean_kl"] = float(np.mean([r["mean_kl"] for r in results]))
         return rec
 
@@ -227,10 +227,10 @@ class Runner:
         probe = (None if spec.observation == "agnostic"
                  else m.tokenize(item.question, add_special=False) if item.question else tokens[-32:])
         if item.kind == "continuation":
-            generated = spec.task in GENERATION_TASKS  # forced through the engine's decode loop, events and all
-            forced = m.tokenize(item.forced, add_special=False)[:N_GENERATED if generated else N_FORCED]
+            n_forced = N_GENERATED if spec.task in GENERATION_TASKS else N_FORCED
+            forced = m.tokenize(item.forced, add_special=False)[:n_forced]
             eng = self.engine(spec, len(tokens) + len(forced))
-            logits = (self._generated_logits if generated else self._forced_logits)(eng, tokens, probe, forced)
+            logits = self._forcing(spec)(eng, tokens, probe, forced)
             k = (spec.task, spec.seed, spec.n_tokens, index)
             if k not in self._reference:
                 self._reference[k] = logits if spec.method == "full" else self._full_logits(spec, tokens, forced)
@@ -284,9 +284,12 @@ class Runner:
 
     def _full_logits(self, spec: Spec, tokens, forced) -> np.ndarray:
         ref = Spec(spec.model, spec.task, "full", 1.0, "-", spec.seed, spec.n_tokens)
-        eng = self.engine(ref, len(tokens) + len(forced))
-        forcing = self._generated_logits if spec.task in GENERATION_TASKS else self._forced_logits
-        return forcing(eng, tokens, None, forced)
+        return self._forcing(spec)(self.engine(ref, len(tokens) + len(forced)), tokens, None, forced)
+
+    def _forcing(self, spec: Spec):
+        """How a task's forced tokens go in: through the engine's generation loop (``generation``: its
+        compressions fall inside them), or straight into the free cells (``continuation``)."""
+        return self._generated_logits if spec.task in GENERATION_TASKS else self._forced_logits
 
 
 def read_prompt(eng: Engine, tokens: list[int], probe, tail: int = 32) -> np.ndarray:

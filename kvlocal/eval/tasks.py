@@ -257,6 +257,7 @@ TASKS: dict[str, Callable[..., list[Item]]] = {
     "generation": generation,
 }
 GENERATION_TASKS = ("generation",)  # scored as continuation is, forced through the decode loop (the runner)
+KL_TASKS = ("continuation",) + GENERATION_TASKS  # scored against the full cache's distributions (KL, agreement)
 CHAT_TASKS = ("multiturn",)  # asked in a chat session: the turns are the probe (observation "chat")
 
 
