@@ -35,7 +35,7 @@ def add_llama_args(p: argparse.ArgumentParser) -> None:
 
 def add_budget_args(p: argparse.ArgumentParser) -> None:
     from kvlocal.compress import METHODS, VALUE_NORMS
-    from kvlocal.engine.config import OBSERVE_EVERY, RECALL_STEPS
+    from kvlocal.engine.config import LOW_WATER, OBSERVE_EVERY, RECALL_STEPS
 
     p.add_argument("--budget", default="0.1",
                    help="KV budget: a ratio in (0, 1] of the context (-c; `run`: of the prompt and -n) (default 0.1), "
@@ -49,6 +49,10 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--observe-every", type=int, default=OBSERVE_EVERY, metavar="N",
                    help="prefill compression events one decode of the probe scores; between decodes its queries are "
                         "moved to the new positions by RoPE (default %(default)s; docs/engine.md)")
+    p.add_argument("--low-water", type=float, default=LOW_WATER, metavar="F",
+                   help="the share of the budget a prompt's compression events leave before its last one: fewer, "
+                        "larger events in the same memory (default %(default)s; 1: every event leaves the whole "
+                        "budget; docs/engine.md)")
     p.add_argument("--backend", default="auto", choices=("auto", "native", "state"),
                    help="where compression runs: native = on the device that holds the cache (patched llama.cpp; "
                         "only the rows a method reads itself cross), state = K/V read to the host and back; "
@@ -90,6 +94,8 @@ def check_llama_args(args) -> None:
         raise UsageError(f"-t/--threads {args.threads}: give at least 1 (default: the cores, at most 8)")
     if getattr(args, "observe_every", 1) < 1:
         raise UsageError(f"--observe-every {args.observe_every}: give at least 1 (1: the probe is decoded for every event)")
+    if not 0 < getattr(args, "low_water", 1) <= 1:
+        raise UsageError(f"--low-water {args.low_water}: give a share of the budget in (0, 1] (1: every event leaves the whole budget)")
     if getattr(args, "value_norm", None) is not None:
         check_value_norm(args.method)
     if hasattr(args, "recall"):
@@ -152,8 +158,9 @@ def engine_from_args(args, model, max_tokens: int):
 
 
 def observe_args(args) -> dict:
-    """``--observe-every`` → the Engine's and Chat's ``observe_every`` keyword."""
-    return dict(observe_every=args.observe_every)
+    """``--observe-every``, ``--low-water`` → the Engine's and Chat's ``observe_every`` and ``low_water`` keywords:
+    how a prompt's compression events are observed and how many they are."""
+    return dict(observe_every=args.observe_every, low_water=args.low_water)
 
 
 def check_value_norm(method: str) -> None:

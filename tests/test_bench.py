@@ -36,6 +36,18 @@ def test_frontier_refuses_contexts_past_the_trained_one(smollm2):
     assert_usage_error(run_cli("bench", str(smollm2), "--frontier", "--contexts", "100000"), "trained on 8,192")
 
 
+@pytest.mark.slow(8)
+def test_frontier_runs_the_configurations_asked_for(smollm2):
+    r = run_cli("bench", str(smollm2), "--frontier", "--configs", "method@kv-q8_0", "full", "--contexts", "300",
+                "--decode", "2", "--method", "snapkv", "--budget", "0.2", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["frontier"]
+    assert [x["config"] for x in rows] == ["full", "snapkv@kv-q8_0 0.2"]  # the table's order, --method and --budget
+    assert rows[1]["events"] > 0 and rows[1]["kv_bytes"] < rows[0]["kv_bytes"]
+    assert_usage_error(run_cli("bench", str(smollm2), "--frontier", "--configs", "method"), "include full")
+    assert_usage_error(run_cli("bench", str(smollm2), "--configs", "full"), "add --frontier")
+
+
 @pytest.mark.slow(49)
 def test_overhead_compares_the_levers_side_by_side(smollm2):
     """``--overhead``: each --backends × --chunks × --observe-every run reads the same prompt; observing once in
@@ -55,6 +67,18 @@ def test_overhead_compares_the_levers_side_by_side(smollm2):
     assert_usage_error(run_cli("bench", str(smollm2), "--overhead", "--chunks", "0"), "--chunks")
 
 
+def test_overhead_compares_low_waters(smollm2):
+    """``--low-waters 1 0.5``: the same prompt in the same cells, read with fewer events where they leave half the
+    budget."""
+    r = run_cli("bench", str(smollm2), "--overhead", "--long", "700", "--budget", "100", "--chunks", "64",
+                "--observe-every", "1", "--decode", "1", "--json", "--backends", "state", "--low-waters", "1", "0.5")
+    assert r.returncode == 0, r.stderr
+    full, whole, half = json.loads(r.stdout)["overhead"]
+    assert (whole["low_water"], half["low_water"]) == (1, 0.5) and whole["n_ctx"] == half["n_ctx"]
+    assert whole["kv_bytes"] == half["kv_bytes"] < full["kv_bytes"]
+    assert 1 < half["events"] < whole["events"]
+
+
 def test_overhead_compares_the_value_norms(smollm2):
     """``--value-norms l1 l2``: CriticalKV with the paper's L1 norms and with L2 (through W_O's d x d factor) on the
     same prompt and events; refused without ``--overhead`` and for a method without value norms."""
@@ -65,6 +89,8 @@ def test_overhead_compares_the_value_norms(smollm2):
     assert [x["value_norm"] for x in rows] == ["l1", "l2"] and rows[0]["events"] == rows[1]["events"] > 3
     assert all(x["kv_bytes"] == rows[0]["kv_bytes"] < full["kv_bytes"] for x in rows)
     assert_usage_error(run_cli("bench", str(smollm2), "--value-norms", "l2"), "add --overhead")
+    assert_usage_error(run_cli("bench", str(smollm2), "--low-waters", "0.5"), "add --overhead")
+    assert_usage_error(run_cli("bench", str(smollm2), "--overhead", "--low-waters", "0"), "--low-waters")
     assert_usage_error(run_cli("bench", str(smollm2), "--overhead", "--method", "snapkv", "--value-norms", "l2"),
                        "snapkv has no value norm")
 

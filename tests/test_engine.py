@@ -453,6 +453,35 @@ def test_decode_time_compression(smollm2_model, text_tokens, probe_kind):
     assert np.all(np.diff(cells(eng)) > 0) and cells(eng).max() < eng.n_past
 
 
+def test_low_water_reads_a_prompt_in_fewer_events_in_the_same_cells(smollm2_model, text_tokens):
+    """``low_water``: a prompt's events before its last leave a share of the budget, so the next chunks are
+    longer and fewer events read the prompt — in the same context, and the last event leaves the whole budget."""
+    prompt = text_tokens[:N_PROMPT]
+    runs = {}
+    for low in (1.0, 0.5):
+        eng = RecordingEngine(smollm2_model, BUDGET, "criticalkv", max_tokens=N_PROMPT + 1, chunk=CHUNK, recent=WINDOW,
+                              n_sink=N_SINK, n_threads=THREADS, low_water=low)
+        eng.prefill(prompt, probe=prompt[-WINDOW:])
+        runs[low] = eng
+    whole, half = runs[1.0], runs[0.5]
+    print("events:", [e.plan.n_slots for e in whole.events], "against", [e.plan.n_slots for e in half.events])
+    assert half.ctx.n_ctx == whole.ctx.n_ctx and half.stats.kv_bytes_allocated == whole.stats.kv_bytes_allocated
+    assert half.stats.kv_cells_live_peak <= half.ctx.n_ctx
+    assert 1 < len(half.events) < len(whole.events)
+    assert all(e.plan.n_slots == BUDGET for e in whole.events)
+    *inside, last = half.events
+    assert inside[0].plan.n_slots == BUDGET // 2  # the rest of the prompt was long: half the budget
+    assert all(BUDGET // 2 <= e.plan.n_slots <= BUDGET for e in inside)
+    # the last event inside the prompt left the rest of it room for one chunk: read in one decode, then the
+    # event that ends the prompt, which leaves the whole budget with the recent span and the sinks
+    assert last.decodes_before - inside[-1].decodes_before == 1
+    assert last.plan.n_slots == half.live_cells() == BUDGET and half.n_past == N_PROMPT
+    assert np.all(last.plan.positions[:, :, -WINDOW:] == np.arange(N_PROMPT - WINDOW, N_PROMPT))
+    assert np.all(last.plan.positions[:, :, :N_SINK] == np.arange(N_SINK))
+    with pytest.raises(UsageError, match="low_water"):
+        Engine(smollm2_model, BUDGET, "criticalkv", max_tokens=N_PROMPT, low_water=0)
+
+
 def test_append_after_decoding_with_a_longer_probe(smollm2_model, text_tokens):
     """A chat: a turn scored by a short probe, a reply, then the next turn with a longer probe (each chat
     turn's own tokens are its probe, at most ``window`` of them). Whatever the reply left in the cache,

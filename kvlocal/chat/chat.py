@@ -35,7 +35,8 @@ from typing import Callable, Iterator
 from kvlocal import __version__
 from kvlocal.chat import saved
 from kvlocal.compress import VALUE_NORMS, value_norm_refusal
-from kvlocal.engine import OBSERVE_EVERY, RECALL_STEPS, Budget, Engine, EngineState
+from kvlocal.engine import LOW_WATER, OBSERVE_EVERY, RECALL_STEPS, Budget, Engine, EngineState
+from kvlocal.engine.config import check_low_water
 from kvlocal.errors import UsageError
 from kvlocal.recall import parse_size
 from kvlocal.runtime import Model, RowRecord, Sampler, cache_type, kv_cache_bytes, pad_cells, runtime_info
@@ -67,6 +68,7 @@ class ChatSettings:
     observe_every: int = OBSERVE_EVERY  # events one decode of a reading's probe scores (kvlocal.engine.observation)
     recall_steps: int = RECALL_STEPS  # an answer's first tokens that re-select the cache with their own query
     value_norm: str | None = None  # CriticalKV's value norm, "l1" or "l2" (None: the method's own, L1)
+    low_water: float = LOW_WATER  # the share of the budget a reading's events leave before its last (Engine(low_water=))
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class Chat:
         observe_every: int = OBSERVE_EVERY,
         recall_steps: int = RECALL_STEPS,
         value_norm: str | None = None,
+        low_water: float = LOW_WATER,
     ):
         for t in (cache_type_k, cache_type_v):
             cache_type(t)  # UsageError naming the choices, before a model is loaded
@@ -125,12 +128,13 @@ class Chat:
                 raise UsageError(f"value_norm: method {method} {why}, or leave value_norm out")
             if value_norm not in VALUE_NORMS:
                 raise UsageError(f"value_norm {value_norm!r}: give one of {', '.join(VALUE_NORMS)}")
+        check_low_water(low_water)
         if isinstance(recall_mem, str):
             recall_mem = parse_size(recall_mem)
         settings = ChatSettings(str(Budget.parse(budget)), method, ctx_size, chunk, recent, flash_attn, system, max_reply,
                                 cache_type_k.lower(), cache_type_v.lower(), backend, recall, recall_mem,
                                 None if recall_dir is None else os.fspath(recall_dir), pin_system, observe_every,
-                                recall_steps, value_norm)
+                                recall_steps, value_norm, low_water)
         if isinstance(model, Model):
             self.model, self._own_model = model, False
         else:
@@ -405,7 +409,8 @@ class Chat:
                    n_gpu_layers=n_gpu_layers, flash_attn=s.flash_attn, n_threads=n_threads,
                    cache_type_k=s.cache_type_k, cache_type_v=s.cache_type_v, backend=s.backend, recall=s.recall,
                    recall_mem=s.recall_mem, recall_dir=s.recall_dir, pin_system=s.pin_system,
-                   observe_every=s.observe_every, recall_steps=s.recall_steps, value_norm=s.value_norm)
+                   observe_every=s.observe_every, recall_steps=s.recall_steps, value_norm=s.value_norm,
+                   low_water=s.low_water)
         try:
             a, e = f.arrays, h["engine"]
             if chat.engine.tier is not None and "tier_n" in a:
@@ -449,7 +454,7 @@ class Chat:
                       flash_attn=s.flash_attn, n_threads=self._threads, endless=s.method != "full",
                       type_k=cache_type(s.cache_type_k), type_v=cache_type(s.cache_type_v), backend=s.backend,
                       recall=s.recall, recall_mem=s.recall_mem, recall_dir=s.recall_dir, observe_every=s.observe_every,
-                      recall_steps=s.recall_steps, method_params=self._method_params(s))
+                      recall_steps=s.recall_steps, method_params=self._method_params(s), low_water=s.low_water)
 
     @staticmethod
     def _method_params(s: ChatSettings) -> dict | None:

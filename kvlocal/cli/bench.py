@@ -28,7 +28,7 @@ import time
 from importlib import resources
 
 from kvlocal.compress import VALUE_NORMS, value_norm_refusal
-from kvlocal.engine import DECODE_OBSERVATIONS, DECODE_OBSERVE, RECALL_ROOM, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS, Budget, Engine
+from kvlocal.engine import DECODE_OBSERVATIONS, DECODE_OBSERVE, LOW_WATER, RECALL_ROOM, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS, Budget, Engine
 from kvlocal.errors import UsageError
 from kvlocal.runtime import CACHE_TYPES, Model, cache_type, resolve_backend
 
@@ -87,6 +87,14 @@ def run(args) -> int:
         raise UsageError("--step-every: give whole numbers of at least 1 (1: any answer step may swap)")
     if args.overhead and (min(args.chunks) < 1 or min(args.observe_every) < 1):
         raise UsageError("--chunks and --observe-every: give whole numbers of at least 1")
+    if not all(0 < w <= 1 for w in args.low_waters):
+        raise UsageError("--low-waters: give shares of the budget in (0, 1] (1: every event leaves the whole budget)")
+    if args.low_waters != [LOW_WATER] and not args.overhead:
+        raise UsageError("--low-waters is a lever of --overhead: add --overhead")
+    if args.configs != list(FRONTIER_CONFIGS) and not args.frontier:
+        raise UsageError("--configs chooses --frontier's rows: add --frontier")
+    if "full" not in args.configs:
+        raise UsageError("--configs: include full, the cache every ratio of the table is to")
     if args.value_norms and not args.overhead:
         raise UsageError("--value-norms is a lever of --overhead: add --overhead")
     if args.value_norms and value_norm_refusal(args.method):
@@ -153,20 +161,20 @@ def run(args) -> int:
 
 def run_overhead(args, model: Model) -> int:
     """``--overhead``: what each lever against compression's cost buys, side by side on one prompt: every
-    ``--chunks`` (fewer, larger events; more cells) × ``--observe-every`` (fewer probe decodes) × ``--value-norms``
+    ``--chunks`` (fewer, larger events; more cells) × ``--low-waters`` (fewer, larger events; the same cells) × ``--observe-every`` (fewer probe decodes) × ``--value-norms``
     (CriticalKV's L1 or the cheaper L2) × ``--backends`` (default: the one ``auto`` picks), against the full cache."""
     long = long_text(model, args.long)
-    grid = list(itertools.product(args.backends or ["auto"], args.chunks, args.observe_every,
+    grid = list(itertools.product(args.backends or ["auto"], args.chunks, args.low_waters, args.observe_every,
                                   args.value_norms or [None]))
     print(f"[1/{1 + len(grid)}] full cache, {len(long)}-token prompt + {args.decode} decoded", file=sys.stderr, flush=True)
     full = measure(model, long, "full", "1", args.decode, args.threads)
     rows = []
-    for i, (backend, chunk, every, norm) in enumerate(grid, 2):
-        print(f"[{i}/{1 + len(grid)}] {args.method} {args.budget} ({backend} backend), chunk {chunk}, observe every "
-              f"{every}" + (f", {norm} value norms" if norm else ""), file=sys.stderr, flush=True)
+    for i, (backend, chunk, low, every, norm) in enumerate(grid, 2):
+        print(f"[{i}/{1 + len(grid)}] {args.method} {args.budget} ({backend} backend), chunk {chunk}, low water {low:g}, "
+              f"observe every {every}" + (f", {norm} value norms" if norm else ""), file=sys.stderr, flush=True)
         r = measure(model, long, args.method, args.budget, args.decode, args.threads, backend, chunk=chunk,
-                    observe_every=every, method_params={"value_norm": norm} if norm else None)
-        rows.append(dict(chunk=chunk, observe_every=every, value_norm=norm, kv_bytes=r["kv_bytes_allocated"],
+                    low_water=low, observe_every=every, method_params={"value_norm": norm} if norm else None)
+        rows.append(dict(chunk=chunk, low_water=low, observe_every=every, value_norm=norm, kv_bytes=r["kv_bytes_allocated"],
                          n_ctx=r["n_ctx"],
                          ttft=r["prefill_seconds"], decode_tok_s=r["decode_tok_s"], events=r["compression_events"],
                          moved=r["observations_moved"], compression_seconds=r["compression_seconds"],
@@ -179,28 +187,39 @@ def run_overhead(args, model: Model) -> int:
     mib = 2**20
     print(f"full cache: {full['kv_bytes_allocated'] / mib:.1f} MiB, TTFT {full['prefill_seconds']:.1f} s, "
           f"decode {full['decode_tok_s']:.1f} tok/s")
-    print(f"{'backend':>8} {'chunk':>6} {'observe':>8} {'norm':>5} {'n_ctx':>6} {'KV vs full':>10} {'TTFT vs full':>12} {'decode vs full':>14} "
+    print(f"{'backend':>8} {'chunk':>6} {'low':>5} {'observe':>8} {'norm':>5} {'n_ctx':>6} {'KV vs full':>10} {'TTFT vs full':>12} {'decode vs full':>14} "
           f"{'events':>7} {'decoded':>8} {'share':>7} {'observe s':>10} {'score s':>8} {'apply s':>8}   target: share <= 5%")
     for r in rows:
         b = r["breakdown"]
-        print(f"{r['backend']:>8} {r['chunk']:>6} {r['observe_every']:>8} {r['value_norm'] or '-':>5} {r['n_ctx']:>6,} {r['kv_bytes'] / full['kv_bytes_allocated']:>9.3f}x "
+        print(f"{r['backend']:>8} {r['chunk']:>6} {r['low_water']:>5g} {r['observe_every']:>8} {r['value_norm'] or '-':>5} {r['n_ctx']:>6,} {r['kv_bytes'] / full['kv_bytes_allocated']:>9.3f}x "
               f"{r['ttft'] / full['prefill_seconds']:>11.2f}x {r['decode_tok_s'] / full['decode_tok_s']:>13.2f}x "
               f"{r['events']:>7} {r['events'] - r['moved']:>8} {100 * r['share']:>6.1f}% {b.get('observe', 0):>10.2f} "
               f"{b.get('score', 0) + b.get('read', 0):>8.2f} {b.get('apply', 0):>8.2f}")
-    print("decoded: events whose probe was decoded (the others were scored by its queries moved by RoPE); "
-          "score s includes reading the cells")
+    print("low: the share of the budget a prompt's events leave before its last (--low-waters); decoded: events whose "
+          "probe was decoded (the others were scored by its queries moved by RoPE); score s includes reading the cells")
     return 0
 
 
-def frontier_configs(method: str, budget: str) -> list[tuple[str, str, str, str]]:
-    """(label, method, budget, cache type) of each configuration ``--frontier`` compares."""
-    return [("full", "full", "1", "f16"), ("full-kv-q8_0", "full", "1", "q8_0"), ("full-kv-q4_0", "full", "1", "q4_0"),
-            (f"{method} {budget}", method, budget, "f16"), (f"{method}@kv-q8_0 {budget}", method, budget, "q8_0")]
+# what --frontier compares, by the names --configs takes: (method, budget, cache type); "method" is --method at --budget
+FRONTIER_CONFIGS = {"full": ("full", "1", "f16"), "full-kv-q8_0": ("full", "1", "q8_0"),
+                    "full-kv-q4_0": ("full", "1", "q4_0"), "method": (None, None, "f16"),
+                    "method@kv-q8_0": (None, None, "q8_0")}
+
+
+def frontier_configs(method: str, budget: str, names=tuple(FRONTIER_CONFIGS)) -> list[tuple[str, str, str, str]]:
+    """(label, method, budget, cache type) of each configuration ``--frontier`` compares, of ``names`` (the keys
+    of :data:`FRONTIER_CONFIGS`, in its order)."""
+    rows = []
+    for name, (m, b, cache) in FRONTIER_CONFIGS.items():
+        if name in names:
+            label = name if m else name.replace("method", method) + f" {budget}"
+            rows.append((label, m or method, b or budget, cache))
+    return rows
 
 
 def run_frontier(args, model: Model) -> int:
     """``--frontier``: the configurations of :func:`frontier_configs` at each ``--contexts`` length."""
-    configs = frontier_configs(args.method, args.budget)
+    configs = frontier_configs(args.method, args.budget, args.configs)
     rows = []
     for n in args.contexts:
         tokens = long_text(model, n - args.decode - 1)
@@ -355,9 +374,16 @@ def add_arguments(p) -> None:
     p.add_argument("--frontier", action="store_true",
                    help="per --contexts length: the full F16 cache, the q8_0 and q4_0 K+V caches, the method at the "
                         "budget and on a q8_0 cache — KV bytes, TTFT, decode speed, compression share")
+    p.add_argument("--configs", nargs="+", choices=list(FRONTIER_CONFIGS), default=list(FRONTIER_CONFIGS),
+                   metavar="NAME", help="with --frontier: the configurations to run, of %(choices)s (method: "
+                   "--method at --budget; default all; full is needed, every ratio is to it) — at 32K a CPU "
+                   "takes hours for llama.cpp's quantized caches alone")
     p.add_argument("--overhead", action="store_true",
                    help="compression's cost per lever: every --chunks × --observe-every on the --long prompt, against the full cache")
     p.add_argument("--chunks", type=int, nargs="+", default=[128, 512], metavar="N", help="with --overhead (default 128 512)")
+    p.add_argument("--low-waters", type=float, nargs="+", default=[LOW_WATER], metavar="F",
+                   help="with --overhead: the share of the budget a prompt's compression events leave before its last "
+                        "one (Engine(low_water=); fewer, larger events in the same cells; default %(default)s)")
     p.add_argument("--observe-every", type=int, nargs="+", default=[1, 4], metavar="N",
                    help="with --overhead: events one probe decode scores (default 1 4)")
     p.add_argument("--value-norms", nargs="+", choices=list(VALUE_NORMS), metavar="NORM",

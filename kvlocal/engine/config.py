@@ -116,6 +116,12 @@ OBSERVE_EVERY = 4
 DECODE_OBSERVATIONS = ("probe", "kept")
 DECODE_OBSERVE = "kept"
 
+# the share of the budget a compression event leaves while a prompt is read (the event that ends it, and events
+# while generating, leave the whole budget): below 1 the next chunk has more free cells, so a prompt takes fewer,
+# larger events in the same memory, and the rows ranked between this share and the budget at one event compete again
+# at the next (docs/engine.md § Fewer events in the same memory)
+LOW_WATER = 1.0
+
 # the most layers an event plans at once (on the context's threads, no more): the kernels release the GIL, the
 # numpy work between them does not, and every layer in flight holds its cells as float32
 PLAN_WORKERS = 4
@@ -143,6 +149,12 @@ RECALL_STEP_EVERY = 1
 RECALL_ROOM = 64
 
 
+def check_low_water(value) -> None:
+    """UsageError, naming the fix, unless ``value`` is a share of the budget in (0, 1] (``low_water``)."""
+    if isinstance(value, bool) or not (isinstance(value, (int, float, np.floating)) and 0 < value <= 1):
+        raise UsageError(f"low_water {value!r}: give a share of the budget in (0, 1] (1: every event leaves the whole budget)")
+
+
 def step_keeps(held: int, every: int, confidence: float):
     """An answer step's ``keep_if`` (:meth:`Engine._observe`): None where every step swaps; else a test of the
     step's logits that is true where it keeps its decode — fewer than ``every`` steps past the last swap with the
@@ -162,6 +174,7 @@ class EngineConfig:
     max_tokens: int | None = None  # tokens a session may see in all (hard cap; sizes a ratio budget)
     observe_every: int = OBSERVE_EVERY  # prefill events one probe decode scores (kvlocal.engine.observation)
     decode_observe: str = DECODE_OBSERVE  # a decode-time event's observation: "probe" decoded, or "kept" queries
+    low_water: float = LOW_WATER  # the share of the budget a prompt's events before its last one leave
 
     def validate(self) -> None:
         """Raise UsageError naming the fix for values the engine cannot work with."""
@@ -169,6 +182,7 @@ class EngineConfig:
             val = getattr(self, name)
             if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < lo:
                 raise UsageError(f"{name} must be a whole number >= {lo}, got {val!r}")
+        check_low_water(self.low_water)
         if self.decode_observe not in DECODE_OBSERVATIONS:
             raise UsageError(f"decode_observe {self.decode_observe!r}: give one of {', '.join(DECODE_OBSERVATIONS)}")
         if self.recent > N_UBATCH // 2:

@@ -59,7 +59,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, norm_p, observation_window, plan_layers
-from kvlocal.engine.config import DECODE_OBSERVE, OBSERVE_EVERY, PLAN_WORKERS, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_ROOM, RECALL_STEP_EVERY, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
+from kvlocal.engine.config import DECODE_OBSERVE, LOW_WATER, OBSERVE_EVERY, PLAN_WORKERS, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_ROOM, RECALL_STEP_EVERY, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
 from kvlocal.engine.interrupts import interrupts_deferred
 from kvlocal.engine.observation import Observations, Rope
 from kvlocal.engine.positions import reposition
@@ -115,9 +115,11 @@ class Engine(Reselection):
         observe_every: int = OBSERVE_EVERY,
         method_params: dict | None = None,
         decode_observe: str = DECODE_OBSERVE,
+        low_water: float = LOW_WATER,
     ):
         budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
-        self.cfg = EngineConfig(budget, method, chunk, recent, n_sink, max_tokens, observe_every, decode_observe)
+        self.cfg = EngineConfig(budget, method, chunk, recent, n_sink, max_tokens, observe_every, decode_observe,
+                                low_water)
         self.cfg.validate()
         self.scorer = make_scorer(method, **(method_params or {}))  # e.g. {"value_norm": "l2"} (CriticalKV)
         recall = resolve_recall(recall, method)
@@ -244,7 +246,7 @@ class Engine(Reselection):
         while i < len(tokens):
             room = self._free_cells()
             if room < 1:
-                self._compress(probe, observed)
+                self._compress(probe, observed, head_budget=self._low_water(len(tokens) - i))
                 continue
             self._fit_positions(room + len(probe))
             chunk = list(tokens[i:i + room])
@@ -523,10 +525,24 @@ class Engine(Reselection):
         """The cells as one event reads them (a seam for tests that record what was scored)."""
         return self.kv.read()
 
-    def _compress(self, probe: Sequence[int], observed=None, decoding: bool = False) -> None:
-        """One compression event back to the budget; ``observed``: the probe's queries if the last decode
-        already captured them over the current cache, else the probe is decoded now (``decoding``: an event
-        while generating, which may be observed by the queries its probe's tokens already had)."""
+    def _low_water(self, remaining: int) -> int | None:
+        """A head's rows after an event inside a prompt with ``remaining`` tokens still to read
+        (:data:`~kvlocal.engine.config.LOW_WATER`); None: its budget. No fewer than leave the rest of the prompt
+        room for one more chunk (the event that ends it leaves the budget), and never below the rows every head
+        protects (pinned or sink tokens and the recent span)."""
+        if self.cfg.low_water >= 1:
+            return None
+        cells = self.ctx.n_ctx - self._reserve() - remaining  # the most the cells may hold for the rest to fit
+        cells = min(self.slot_cells, max(cells, math.ceil(self.cfg.low_water * self.slot_cells)))
+        floor = max(self.cfg.n_sink, self.stats.kv_cells_pinned) + self.cfg.recent
+        return min(self.head_budget, max(floor, self.scorer.budget_for_cells(cells)))
+
+    def _compress(self, probe: Sequence[int], observed=None, decoding: bool = False,
+                  head_budget: int | None = None) -> None:
+        """One compression event back to the budget (``head_budget``: to fewer rows per head); ``observed``: the
+        probe's queries if the last decode already captured them over the current cache, else the probe is decoded
+        now (``decoding``: an event while generating, which may be observed by the queries its probe's tokens
+        already had)."""
         clock = time.perf_counter
         t0 = clock()
         if observed is None and decoding:
@@ -542,7 +558,7 @@ class Engine(Reselection):
         t1 = clock()
         read = self._read()
         t2 = clock()
-        plan = self._plan(read, q, q_pos)
+        plan = self._plan(read, q, q_pos, head_budget)
         t3 = clock()
         self._apply(read, plan)
         t4 = clock()

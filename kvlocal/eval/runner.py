@@ -19,7 +19,8 @@ events decode the probe once in N and are otherwise scored by its queries moved 
 value norm CriticalKV ranks by, the paper's L1 (the default) or L2 (its ``value_norm``; docs/engine.md). ``+kept``
 (``criticalkv+kept``): a compression while generating is scored by the queries its probe's tokens had when they
 were decoded, not by decoding the probe again (the engine's ``decode_observe="kept"``); the ``generation`` task
-is where such events happen.
+is where such events happen. ``+lowNN`` (``criticalkv+low60``): the prompt's events before its last one leave NN%
+of the budget, so fewer events read it in the same memory (the engine's ``low_water``).
 """
 
 from __future__ import annotations
@@ -56,18 +57,30 @@ EVICTION = tuple(m for m in METHODS if m != "full")
 RECALL = "+recall"  # the suffix of a method run with the recall tier
 EVERY = re.compile(r"\+every(\d+)$")  # the suffix of a method whose probe is decoded once in N events
 KEPT = "kept"  # a part of a method's name (+kept): decode-time events observed by the queries their tokens had
+LOW = re.compile(r"low(\d+)$")  # a part of a method's name (+low60): a prompt's events leave 60% of the budget
+
+
+def _parts(name: str) -> list[str]:
+    """The ``+`` parts of a method's name after the method itself, before any ``@CACHE``."""
+    return name.partition("@")[0].split("+")[1:]
+
+
+def low_water(name: str) -> float:
+    """The engine's ``low_water`` for a method as the eval names it (``+lowNN``: NN% of the budget; 1 without)."""
+    lows = [int(m.group(1)) for m in map(LOW.match, _parts(name)) if m]
+    return lows[-1] / 100 if lows else 1.0
 
 
 def method_params(name: str) -> dict:
     """The engine's ``method_params`` for a method as the eval names it (``+l1``, ``+l2``: CriticalKV's
     ``value_norm``, one of :data:`~kvlocal.compress.VALUE_NORMS`)."""
-    norm = [part for part in name.partition("@")[0].split("+")[1:] if part in VALUE_NORMS]
+    norm = [part for part in _parts(name) if part in VALUE_NORMS]
     return {"value_norm": norm[-1]} if norm else {}
 
 
 def decode_observe(name: str) -> str:
     """The engine's ``decode_observe`` for a method as the eval names it (``+kept``; "probe" without)."""
-    return "kept" if KEPT in name.partition("@")[0].split("+")[1:] else "probe"
+    return "kept" if KEPT in _parts(name) else "probe"
 
 
 def observe_every(name: str) -> int:
@@ -88,13 +101,18 @@ def split_method(name: str) -> tuple[str, tuple[int | None, int | None], bool]:
     method = EVERY.sub("", method)
     norm = any(part in VALUE_NORMS for part in method.split("+")[1:])
     kept = KEPT in method.split("+")[1:]
+    lows = [int(m.group(1)) for m in map(LOW.match, method.split("+")[1:]) if m]
+    if any(not 1 <= low <= 100 for low in lows):
+        raise ValueError(name)
     method = "+".join(part for i, part in enumerate(method.split("+"))
-                      if i == 0 or (part not in VALUE_NORMS and part != KEPT))
+                      if i == 0 or (part not in VALUE_NORMS and part != KEPT and not LOW.match(part)))
     recall = method.endswith(RECALL)
     method = method.removesuffix(RECALL)
     if not (method in EVICTION or method == "full" and not cache and not recall) or (cache and cache not in CACHES):
         raise ValueError(name)
     if (recall and method in MERGING_METHODS) or (norm and value_norm_refusal(method)):
+        raise ValueError(name)
+    if lows and method == "full":  # nothing is compressed
         raise ValueError(name)
     if kept and method in ("full",) + QUERY_FREE:  # nothing observes a probe there
         raise ValueError(name)
@@ -188,7 +206,7 @@ class Runner:
         return Engine(self.model, "1" if method == "full" else spec.budget, method, max_tokens=max_tokens,
                       n_threads=self.n_threads, type_k=type_k, type_v=type_v, recall=recall,
                       observe_every=observe_every(spec.method), method_params=method_params(spec.method),
-                      decode_observe=decode_observe(spec.method))
+                      decode_observe=decode_observe(spec.method), low_water=low_water(spec.method))
 
     def run(self, spec: Spec, n_items: int | None = None) -> dict:
         """One spec over its task's items -> the record (without the command)."""
