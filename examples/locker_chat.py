@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 import kvlocal
-from kvlocal.engine import RECALL_ROOM, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS
+from kvlocal.engine import LOW_WATER, RECALL_ROOM, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS
 from kvlocal.eval.tasks import Prose, insert_at
 from kvlocal.models import resolve
 from kvlocal.runtime import Model
@@ -43,7 +43,8 @@ def chat(model: Model, seed: int, args):
     doc = insert_at(prose.take(2000, rng), [((i + 0.5) / 6, f) for i, f in enumerate(facts)])
     out, rows = [], []
     with kvlocal.Chat(model, ctx_size=len(model.tokenize(doc)) + 1200, budget=args.budget, n_threads=args.threads,
-                      cache_type_k=args.cache, cache_type_v=args.cache, recall_steps=args.recall_steps) as c:
+                      cache_type_k=args.cache, cache_type_v=args.cache, recall_steps=args.recall_steps,
+                      low_water=args.low_water) as c:
         c.engine.recall_step_confidence = args.step_confidence
         c.engine.recall_step_every = args.step_every
         c.engine.recall_room = args.room
@@ -115,6 +116,8 @@ def main() -> None:
     ap.add_argument("--step-every", type=int, default=RECALL_STEP_EVERY)
     ap.add_argument("--room", type=int, default=RECALL_ROOM,
                     help="cells a question's re-selection leaves for the answer (0: it keeps the budget's rows)")
+    ap.add_argument("--low-water", type=float, default=LOW_WATER,
+                    help="the share of the budget the reading's events leave before its last (Chat(low_water=))")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--rows", action="store_true", help="also: which rows of the asked fact are on the device")
     args = ap.parse_args()

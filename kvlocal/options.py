@@ -49,10 +49,10 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--observe-every", type=int, default=OBSERVE_EVERY, metavar="N",
                    help="prefill compression events one decode of the probe scores; between decodes its queries are "
                         "moved to the new positions by RoPE (default %(default)s; docs/engine.md)")
-    p.add_argument("--low-water", type=float, default=LOW_WATER, metavar="F",
-                   help="the share of the budget a prompt's compression events leave before its last one: fewer, "
-                        "larger events in the same memory (default %(default)s; 1: every event leaves the whole "
-                        "budget; docs/engine.md)")
+    p.add_argument("--low-water", type=float, default=None, metavar="F",
+                   help=f"the share of the budget a prompt's compression events leave before its last one: fewer, "
+                        f"larger events in the same memory (default {LOW_WATER} with the recall tier, which keeps what "
+                        f"they drop, 1 without; 1: every event leaves the whole budget; docs/engine.md)")
     p.add_argument("--backend", default="auto", choices=("auto", "native", "state"),
                    help="where compression runs: native = on the device that holds the cache (patched llama.cpp; "
                         "only the rows a method reads itself cross), state = K/V read to the host and back; "
@@ -94,7 +94,7 @@ def check_llama_args(args) -> None:
         raise UsageError(f"-t/--threads {args.threads}: give at least 1 (default: the cores, at most 8)")
     if getattr(args, "observe_every", 1) < 1:
         raise UsageError(f"--observe-every {args.observe_every}: give at least 1 (1: the probe is decoded for every event)")
-    if not 0 < getattr(args, "low_water", 1) <= 1:
+    if getattr(args, "low_water", None) is not None and not 0 < args.low_water <= 1:
         raise UsageError(f"--low-water {args.low_water}: give a share of the budget in (0, 1] (1: every event leaves the whole budget)")
     if getattr(args, "value_norm", None) is not None:
         check_value_norm(args.method)

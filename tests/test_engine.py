@@ -38,7 +38,7 @@ import pytest
 from conftest import run_cli
 from replay import replay
 from kvlocal.compress import VALUE_NORMS, CriticalKV, LayerInputs, Plan, SnapKV, projected_value_norms
-from kvlocal.engine import AGNOSTIC_PROBE, Budget, Engine
+from kvlocal.engine import AGNOSTIC_PROBE, LOW_WATER, Budget, Engine
 from kvlocal.errors import UsageError
 from kvlocal.runtime.llama import kv_cache_bytes
 from kvlocal.runtime import Sampler
@@ -105,6 +105,7 @@ class RecordingEngine(Engine):
     def __init__(self, *args, inputs_of: tuple[int, ...] = (), **kwargs):
         kwargs.setdefault("backend", "state")  # it records the K/V rows the scorers read on the host
         kwargs.setdefault("observe_every", 1)  # every event decodes its probe: what the reference recomputes
+        kwargs.setdefault("low_water", 1.0)  # every event leaves the budget (fewer events: the low_water test)
         kwargs.setdefault("decode_observe", "probe")  # the decode-time ones too (the kept queries: test_observation)
         super().__init__(*args, **kwargs)
         self.events: list[Event] = []
@@ -480,6 +481,11 @@ def test_low_water_reads_a_prompt_in_fewer_events_in_the_same_cells(smollm2_mode
     assert np.all(last.plan.positions[:, :, :N_SINK] == np.arange(N_SINK))
     with pytest.raises(UsageError, match="low_water"):
         Engine(smollm2_model, BUDGET, "criticalkv", max_tokens=N_PROMPT, low_water=0)
+    # the default: LOW_WATER where a recall tier keeps what the events drop, the whole budget without one
+    assert LOW_WATER < 1
+    for recall, low in ((True, LOW_WATER), (False, 1.0)):
+        eng = Engine(smollm2_model, BUDGET, "criticalkv", max_tokens=N_PROMPT, recall=recall, n_threads=THREADS)
+        assert eng.cfg.low_water == low
 
 
 def test_append_after_decoding_with_a_longer_probe(smollm2_model, text_tokens):

@@ -122,6 +122,7 @@ class RecordingEngine(Engine):
     def __init__(self, *args, inputs_of: int = -1, **kwargs):
         kwargs.setdefault("backend", "state")  # it records the K/V rows the scorers read on the host
         kwargs.setdefault("observe_every", 1)  # every event decodes its probe: what the reference recomputes
+        kwargs.setdefault("low_water", 1.0)  # every event leaves the budget (fewer events: the low_water test)
         super().__init__(*args, **kwargs)
         self.events: list[Event] = []
         self.phase = "prefill"

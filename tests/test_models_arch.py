@@ -246,9 +246,9 @@ def test_decode_time_events_are_scored_by_the_question_and_the_reply(smollm2_mod
     m = smollm2_model
 
     class Recording(Engine):
-        def _compress(self, probe, observed=None, decoding=False):
+        def _compress(self, probe, observed=None, decoding=False, **kwargs):
             self.seen.append((list(probe), list(self._reply)))
-            super()._compress(probe, observed, decoding)
+            super()._compress(probe, observed, decoding, **kwargs)
 
     eng = Recording(m, 96, max_tokens=1200, chunk=64, recent=16, n_threads=THREADS)
     eng.seen = []

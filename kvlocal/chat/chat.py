@@ -35,7 +35,7 @@ from typing import Callable, Iterator
 from kvlocal import __version__
 from kvlocal.chat import saved
 from kvlocal.compress import VALUE_NORMS, value_norm_refusal
-from kvlocal.engine import LOW_WATER, OBSERVE_EVERY, RECALL_STEPS, Budget, Engine, EngineState
+from kvlocal.engine import OBSERVE_EVERY, RECALL_STEPS, Budget, Engine, EngineState
 from kvlocal.engine.config import check_low_water
 from kvlocal.errors import UsageError
 from kvlocal.recall import parse_size
@@ -68,7 +68,7 @@ class ChatSettings:
     observe_every: int = OBSERVE_EVERY  # events one decode of a reading's probe scores (kvlocal.engine.observation)
     recall_steps: int = RECALL_STEPS  # an answer's first tokens that re-select the cache with their own query
     value_norm: str | None = None  # CriticalKV's value norm, "l1" or "l2" (None: the method's own, L1)
-    low_water: float = LOW_WATER  # the share of the budget a reading's events leave before its last (Engine(low_water=))
+    low_water: float | None = None  # the share of the budget a reading's events leave before its last (None: the engine's)
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class Chat:
         observe_every: int = OBSERVE_EVERY,
         recall_steps: int = RECALL_STEPS,
         value_norm: str | None = None,
-        low_water: float = LOW_WATER,
+        low_water: float | None = None,
     ):
         for t in (cache_type_k, cache_type_v):
             cache_type(t)  # UsageError naming the choices, before a model is loaded
@@ -128,7 +128,8 @@ class Chat:
                 raise UsageError(f"value_norm: method {method} {why}, or leave value_norm out")
             if value_norm not in VALUE_NORMS:
                 raise UsageError(f"value_norm {value_norm!r}: give one of {', '.join(VALUE_NORMS)}")
-        check_low_water(low_water)
+        if low_water is not None:
+            check_low_water(low_water)
         if isinstance(recall_mem, str):
             recall_mem = parse_size(recall_mem)
         settings = ChatSettings(str(Budget.parse(budget)), method, ctx_size, chunk, recent, flash_attn, system, max_reply,

@@ -55,7 +55,8 @@ def measure(model: Model, tokens: list[int], method: str, budget: str, n_decode:
     t0 = time.perf_counter()
     n = sum(1 for _ in eng.generate(n_decode, stop_at_eog=False))
     s = eng.stats.as_dict()
-    s.update(method=method, budget=budget, prompt_tokens=len(tokens), decode_tok_s=n / (time.perf_counter() - t0))
+    s.update(method=method, budget=budget, prompt_tokens=len(tokens), decode_tok_s=n / (time.perf_counter() - t0),
+             low_water=eng.cfg.low_water)
     return s
 
 
@@ -87,9 +88,9 @@ def run(args) -> int:
         raise UsageError("--step-every: give whole numbers of at least 1 (1: any answer step may swap)")
     if args.overhead and (min(args.chunks) < 1 or min(args.observe_every) < 1):
         raise UsageError("--chunks and --observe-every: give whole numbers of at least 1")
-    if not all(0 < w <= 1 for w in args.low_waters):
+    if not all(w is None or 0 < w <= 1 for w in args.low_waters):
         raise UsageError("--low-waters: give shares of the budget in (0, 1] (1: every event leaves the whole budget)")
-    if args.low_waters != [LOW_WATER] and not args.overhead:
+    if args.low_waters != [None] and not args.overhead:
         raise UsageError("--low-waters is a lever of --overhead: add --overhead")
     if args.configs != list(FRONTIER_CONFIGS) and not args.frontier:
         raise UsageError("--configs chooses --frontier's rows: add --frontier")
@@ -170,11 +171,11 @@ def run_overhead(args, model: Model) -> int:
     full = measure(model, long, "full", "1", args.decode, args.threads)
     rows = []
     for i, (backend, chunk, low, every, norm) in enumerate(grid, 2):
-        print(f"[{i}/{1 + len(grid)}] {args.method} {args.budget} ({backend} backend), chunk {chunk}, low water {low:g}, "
+        print(f"[{i}/{1 + len(grid)}] {args.method} {args.budget} ({backend} backend), chunk {chunk}, low water {low or 'default'}, "
               f"observe every {every}" + (f", {norm} value norms" if norm else ""), file=sys.stderr, flush=True)
         r = measure(model, long, args.method, args.budget, args.decode, args.threads, backend, chunk=chunk,
                     low_water=low, observe_every=every, method_params={"value_norm": norm} if norm else None)
-        rows.append(dict(chunk=chunk, low_water=low, observe_every=every, value_norm=norm, kv_bytes=r["kv_bytes_allocated"],
+        rows.append(dict(chunk=chunk, low_water=r["low_water"], observe_every=every, value_norm=norm, kv_bytes=r["kv_bytes_allocated"],
                          n_ctx=r["n_ctx"],
                          ttft=r["prefill_seconds"], decode_tok_s=r["decode_tok_s"], events=r["compression_events"],
                          moved=r["observations_moved"], compression_seconds=r["compression_seconds"],
@@ -381,9 +382,10 @@ def add_arguments(p) -> None:
     p.add_argument("--overhead", action="store_true",
                    help="compression's cost per lever: every --chunks × --observe-every on the --long prompt, against the full cache")
     p.add_argument("--chunks", type=int, nargs="+", default=[128, 512], metavar="N", help="with --overhead (default 128 512)")
-    p.add_argument("--low-waters", type=float, nargs="+", default=[LOW_WATER], metavar="F",
-                   help="with --overhead: the share of the budget a prompt's compression events leave before its last "
-                        "one (Engine(low_water=); fewer, larger events in the same cells; default %(default)s)")
+    p.add_argument("--low-waters", type=float, nargs="+", default=[None], metavar="F",
+                   help=f"with --overhead: the share of the budget a prompt's compression events leave before its last "
+                        f"one (Engine(low_water=); fewer, larger events in the same cells; default: the engine's, "
+                        f"{LOW_WATER} with a recall tier and 1 without, which this bench runs)")
     p.add_argument("--observe-every", type=int, nargs="+", default=[1, 4], metavar="N",
                    help="with --overhead: events one probe decode scores (default 1 4)")
     p.add_argument("--value-norms", nargs="+", choices=list(VALUE_NORMS), metavar="NORM",
