@@ -526,10 +526,8 @@ class Engine(Reselection):
         return self.kv.read()
 
     def _low_water(self, remaining: int) -> int | None:
-        """A head's rows after an event inside a prompt with ``remaining`` tokens still to read
-        (:data:`~kvlocal.engine.config.LOW_WATER`); None: its budget. No fewer than leave the rest of the prompt
-        room for one more chunk (the event that ends it leaves the budget), and never below the rows every head
-        protects (pinned or sink tokens and the recent span)."""
+        """A head's rows after an event inside a prompt with ``remaining`` tokens to read (None: its budget): no
+        fewer than let the rest in one chunk, nor than the rows every head protects (pinned/sinks, recent span)."""
         if self.cfg.low_water >= 1:
             return None
         cells = self.ctx.n_ctx - self._reserve() - remaining  # the most the cells may hold for the rest to fit
@@ -540,9 +538,8 @@ class Engine(Reselection):
     def _compress(self, probe: Sequence[int], observed=None, decoding: bool = False,
                   head_budget: int | None = None) -> None:
         """One compression event back to the budget (``head_budget``: to fewer rows per head); ``observed``: the
-        probe's queries if the last decode already captured them over the current cache, else the probe is decoded
-        now (``decoding``: an event while generating, which may be observed by the queries its probe's tokens
-        already had)."""
+        probe's queries if the last decode captured them over this cache, else the probe is decoded now
+        (``decoding``: an event while generating, observed by the queries its probe's tokens had, if kept)."""
         clock = time.perf_counter
         t0 = clock()
         if observed is None and decoding:
