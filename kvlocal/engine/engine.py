@@ -32,15 +32,10 @@ cache (``model.arch.full_layers``) to the budget. Memory figures count both. Sco
 attention scale (``arch.attn_scale``: Gemma's query scaling, a file's ``attention.scale``), with head sizes from
 ``key_length``/``value_length``.
 
-The observation window (docs/engine.md, "What scores the cache"):
-
-- prefill and a chat turn: the probe is the last ``recent`` tokens of the text being added (its end: the question
-  and, in a chat, the template's assistant header), or ``probe=`` given explicitly;
-- decode-time events: the last half-window of that probe followed by the last half-window of the reply generated
-  so far, so a long reply is scored by what it is saying now as well as by the question, and does not lose its own
-  beginning to a question that never looks at it. Those tokens were all decoded once already: by default
-  (``decode_observe="kept"``) the event uses the queries they had then, turned by RoPE to the probe's positions,
-  instead of decoding the probe again (:meth:`Observations.kept`; docs/engine.md § Decode-time events).
+The observation window (docs/engine.md, "What scores the cache"): in prefill and a chat turn, the last ``recent``
+tokens of the text being added (or ``probe=``); at a decode-time event, the last half-window of that probe and of
+the reply so far, observed by default by the queries those tokens had when decoded, turned by RoPE
+(``decode_observe="kept"``, :meth:`Observations.kept`), so a long reply is scored by what it says now too.
 
 Ctrl-C (KeyboardInterrupt) at any point leaves the engine as it was before the interrupted chunk or token: cells
 past the last completed position are removed, and a compression event either completes or leaves the previous

@@ -99,9 +99,9 @@ def split_method(name: str) -> tuple[str, tuple[int | None, int | None], bool]:
     if every and int(every.group(1)) < 1:
         raise ValueError(name)
     method = EVERY.sub("", method)
-    norm = any(part in VALUE_NORMS for part in method.split("+")[1:])
-    kept = KEPT in method.split("+")[1:]
-    lows = [int(m.group(1)) for m in map(LOW.match, method.split("+")[1:]) if m]
+    norm = any(part in VALUE_NORMS for part in _parts(method))
+    kept = KEPT in _parts(method)
+    lows = [int(m.group(1)) for m in map(LOW.match, _parts(method)) if m]
     if any(not 1 <= low <= 100 for low in lows):
         raise ValueError(name)
     method = "+".join(part for i, part in enumerate(method.split("+"))
