@@ -79,6 +79,19 @@ def test_overhead_compares_low_waters(smollm2):
     assert 1 < half["events"] < whole["events"]
 
 
+def test_overhead_with_the_recall_tier(smollm2):
+    """``--recall on``: the compressed runs keep a recall tier, as ``kvlocal chat`` does by default (so the engine's
+    low water is the tier's); refused with ``--recall-cost``, which always reads with one."""
+    from kvlocal.engine import LOW_WATER
+
+    r = run_cli("bench", str(smollm2), "--overhead", "--long", "700", "--budget", "100", "--chunks", "64",
+                "--observe-every", "1", "--decode", "1", "--json", "--backends", "state", "--recall", "on")
+    assert r.returncode == 0, r.stderr
+    full, row = json.loads(r.stdout)["overhead"]
+    assert row["recall"] and row["host_tier_bytes"] > 0 and row["low_water"] == LOW_WATER
+    assert_usage_error(run_cli("bench", str(smollm2), "--recall-cost", "--recall", "on"), "leave --recall out")
+
+
 def test_overhead_compares_the_value_norms(smollm2):
     """``--value-norms l1 l2``: CriticalKV with the paper's L1 norms and with L2 (through W_O's d x d factor) on the
     same prompt and events; refused without ``--overhead`` and for a method without value norms."""

@@ -150,6 +150,27 @@ def test_kept_sets_equal_reference_numpy_path():
         kernels.simd_level(best)
 
 
+def test_l2_factor_is_computed_once_per_w_o_array_and_dropped_with_it():
+    """CriticalKV's L2 factor is shared by every scorer that meets the same W_O array (a server's chats, a bench's
+    engines: one QR per layer and process) and leaves the cache when the array does."""
+    import gc
+
+    from kvlocal.compress.criticalkv import _FACTORS, l2_factor
+
+    layer, _, _ = make_case(seed=3)
+    layer.wo = layer.wo.copy()  # an array of this test's own
+    first, _ = CriticalKV(value_norm="l2").norm_weights(layer)
+    again, _ = CriticalKV(value_norm="l2").norm_weights(layer)
+    assert again is first
+    np.testing.assert_array_equal(first, l2_factor(layer.wo, layer.n_head))
+    key = (id(layer.wo), layer.n_head)
+    assert key in _FACTORS and CriticalKV(value_norm="l1").norm_weights(layer)[0] is layer.wo
+    layer.wo = layer.wo.copy()  # the old array's last reference goes: so does its factor
+    gc.collect()
+    assert key not in _FACTORS
+    assert CriticalKV(value_norm="l2").norm_weights(layer)[0] is not first
+
+
 @pytest.mark.parametrize("norm", ["l1", "l2"])
 def test_criticalkv_reuses_and_fills_known_norms(norm):
     layer, _, _ = make_case(seed=9)

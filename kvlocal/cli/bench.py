@@ -33,6 +33,9 @@ from kvlocal.errors import UsageError
 from kvlocal.runtime import CACHE_TYPES, Model, cache_type, resolve_backend
 
 
+RECALL = {"off": False, "on": True, "auto": None}  # --recall → Engine(recall=)
+
+
 def long_text(model: Model, n_tokens: int) -> list[int]:
     """n_tokens of real English (the GPL-3 text, repeated as needed)."""
     text = resources.files("kvlocal").joinpath("data/gpl-3.0.txt").read_text()
@@ -56,7 +59,7 @@ def measure(model: Model, tokens: list[int], method: str, budget: str, n_decode:
     n = sum(1 for _ in eng.generate(n_decode, stop_at_eog=False))
     s = eng.stats.as_dict()
     s.update(method=method, budget=budget, prompt_tokens=len(tokens), decode_tok_s=n / (time.perf_counter() - t0),
-             low_water=eng.cfg.low_water)
+             low_water=eng.cfg.low_water, recall=eng.tier is not None)
     return s
 
 
@@ -78,6 +81,8 @@ def run(args) -> int:
         raise UsageError(f"--cache {args.cache!r}: choose one of {', '.join(CACHE_TYPES)}")
     mode = next((f for f, on in (("--frontier", args.frontier), ("--recall-cost", args.recall_cost),
                                  ("--overhead", args.overhead)) if on), None)
+    if args.recall_cost and args.recall is not None:
+        raise UsageError("--recall-cost always reads the document with the recall tier: leave --recall out")
     if mode and args.cache != "f16":
         raise UsageError(f"--cache applies to the side-by-side run only: {mode} runs on f16"
                          + (" (and has its own q8_0 and q4_0 rows)" if mode == "--frontier" else "")
@@ -122,7 +127,8 @@ def run(args) -> int:
     runs = {}
     for i, backend in enumerate(backends, 2):
         log(f"[{i}/{n}] {args.method} at budget {args.budget} on the {backend} backend, same prompt")
-        runs[backend] = measure(model, long, args.method, args.budget, args.decode, args.threads, backend, cache=args.cache)
+        runs[backend] = measure(model, long, args.method, args.budget, args.decode, args.threads, backend, cache=args.cache,
+                                recall=RECALL[args.recall or "off"])
     result = {
         "full": full,
         "backends": {b: {"kv_bytes_ratio": r["kv_bytes_allocated"] / full["kv_bytes_allocated"],
@@ -154,7 +160,10 @@ def run(args) -> int:
     row("compression events", "", [f"{runs[b]['compression_events']}" for b in backends])
     row("  milliseconds per event", "", [f"{1000 * runs[b]['compression_seconds'] / max(1, runs[b]['compression_events']):.1f}"
                                         for b in backends])
-    row("K/V copied to the host", "", [f"{runs[b]['host_kv_bytes'] / mib:,.1f} MiB" for b in backends], "0 on native")
+    row("K/V copied to the host", "", [f"{runs[b]['host_kv_bytes'] / mib:,.1f} MiB" for b in backends],
+        "0 on native without a tier")
+    row("recall tier (host memory)", "", [f"{runs[b]['host_tier_bytes'] / mib:,.1f} MiB" if runs[b]["recall"] else "off"
+                                          for b in backends])
     for step in ("observe", "read", "score", "apply"):
         row(f"  {step} seconds", "", [f"{runs[b]['compression_breakdown'].get(step, 0.0):.2f}" for b in backends])
     return 0
@@ -174,8 +183,9 @@ def run_overhead(args, model: Model) -> int:
         print(f"[{i}/{1 + len(grid)}] {args.method} {args.budget} ({backend} backend), chunk {chunk}, low water {low or 'default'}, "
               f"observe every {every}" + (f", {norm} value norms" if norm else ""), file=sys.stderr, flush=True)
         r = measure(model, long, args.method, args.budget, args.decode, args.threads, backend, chunk=chunk,
+                    recall=RECALL[args.recall or "off"],
                     low_water=low, observe_every=every, method_params={"value_norm": norm} if norm else None)
-        rows.append(dict(chunk=chunk, low_water=r["low_water"], observe_every=every, value_norm=norm, kv_bytes=r["kv_bytes_allocated"],
+        rows.append(dict(chunk=chunk, low_water=r["low_water"], recall=r["recall"], host_tier_bytes=r["host_tier_bytes"], observe_every=every, value_norm=norm, kv_bytes=r["kv_bytes_allocated"],
                          n_ctx=r["n_ctx"],
                          ttft=r["prefill_seconds"], decode_tok_s=r["decode_tok_s"], events=r["compression_events"],
                          moved=r["observations_moved"], compression_seconds=r["compression_seconds"],
@@ -187,7 +197,8 @@ def run_overhead(args, model: Model) -> int:
         return 0
     mib = 2**20
     print(f"full cache: {full['kv_bytes_allocated'] / mib:.1f} MiB, TTFT {full['prefill_seconds']:.1f} s, "
-          f"decode {full['decode_tok_s']:.1f} tok/s")
+          f"decode {full['decode_tok_s']:.1f} tok/s; recall tier in the compressed runs: "
+          + ("on" if rows[0]["recall"] else "off"))
     print(f"{'backend':>8} {'chunk':>6} {'low':>5} {'observe':>8} {'norm':>5} {'n_ctx':>6} {'KV vs full':>10} {'TTFT vs full':>12} {'decode vs full':>14} "
           f"{'events':>7} {'decoded':>8} {'share':>7} {'observe s':>10} {'score s':>8} {'apply s':>8}   target: share <= 5%")
     for r in rows:
@@ -226,7 +237,7 @@ def run_frontier(args, model: Model) -> int:
         tokens = long_text(model, n - args.decode - 1)
         for i, (label, method, budget, cache) in enumerate(configs, 1):
             print(f"[{n:,} tokens {i}/{len(configs)}] {label}", file=sys.stderr, flush=True)
-            r = measure(model, tokens, method, budget, args.decode, args.threads, cache=cache)
+            r = measure(model, tokens, method, budget, args.decode, args.threads, cache=cache, recall=RECALL[args.recall or "off"])
             rows.append(dict(tokens=n, config=label, kv_bytes=r["kv_bytes_allocated"], ttft=r["prefill_seconds"],
                              decode_tok_s=r["decode_tok_s"], compression_seconds=r["compression_seconds"],
                              share=r["compression_seconds"] / r["prefill_seconds"], events=r["compression_events"]))
@@ -349,6 +360,10 @@ def add_arguments(p) -> None:
     p.add_argument("--decode", type=int, default=64, help="tokens to decode for the speed figure (default 64)")
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    p.add_argument("--recall", default=None, choices=list(RECALL),
+                   help="the recall tier in the compressed runs: off (the default: the cache alone, as the figures in "
+                        "the docs were measured), on, or auto (kvlocal chat's default: on for the eviction methods); "
+                        "--recall-cost always reads with it")
     p.add_argument("--backends", nargs="+", choices=("native", "state"), default=None,
                    help="the KV backends to run the compressed prompt on (default: native and state where both run; "
                         "--overhead: the one auto picks)")

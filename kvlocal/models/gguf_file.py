@@ -37,9 +37,15 @@ def read_gguf(path: str | os.PathLike):
 
 
 def dequantize_tensor(tensor, path: str | os.PathLike | None = None) -> np.ndarray:
-    """One GGUF tensor as a float32 array in numpy order (``reversed(ne)``), with gguf's own routines."""
+    """One GGUF tensor as a float32 array in numpy order (``reversed(ne)``), with gguf's own routines — or, for
+    q8_0, q4_0, q4_1, q5_0 and q5_1, kvlocal's C kernel (:func:`kvlocal.compress.kernels.dequant_rows`: the same
+    bits, 1.6–3× faster on the W_O of SmolLM2 and Qwen2.5-0.5B — read at a chat's first compression event)."""
     from gguf.quants import dequantize
 
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    fast = _dequantize_blocks(tensor)
+    if fast is not None:
+        return fast.reshape(shape)
     try:
         arr = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:
@@ -50,7 +56,20 @@ def dequantize_tensor(tensor, path: str | os.PathLike | None = None) -> np.ndarr
     arr = np.asarray(arr, dtype=np.float32)
     if np.may_share_memory(arr, tensor.data):  # F32 comes back as a view of the read-only memory map
         arr = arr.copy()
-    return np.ascontiguousarray(arr.reshape(tuple(int(n) for n in reversed(tensor.shape))))
+    return np.ascontiguousarray(arr.reshape(shape))
+
+
+def _dequantize_blocks(tensor) -> np.ndarray | None:
+    """``tensor``'s values by the C kernel where its type is one of the kernel's, else None (gguf's routines)."""
+    try:
+        from kvlocal.compress import kernels
+    except ImportError:  # the kernels not built: gguf's routines
+        return None
+    size = kernels.DEQUANT_BLOCK_BYTES.get(int(tensor.tensor_type))
+    data = np.asarray(tensor.data)
+    if size is None or data.dtype != np.uint8 or data.size % size:
+        return None
+    return kernels.dequant_rows(data.reshape(-1), int(tensor.tensor_type))
 
 
 @functools.lru_cache(maxsize=4)

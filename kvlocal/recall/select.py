@@ -134,11 +134,12 @@ def store_evicted(tier: HostTier, read, plan, basis, gone, rows) -> None:
     on the device."""
     from_tier = _from_tier(read)
     for l, ((cells, heads), (k, v)) in enumerate(zip(gone, rows)):
+        ends = np.searchsorted(heads, np.arange(plan.n_kv + 1))  # each head's rows, together (evicted's order)
         for h in range(plan.n_kv):
-            sel = heads == h
-            if sel.any():
-                c = cells[sel]
-                tier.add(l, h, read.true[l, h, c], k[sel], v[sel], basis.keys(k[sel]), read.vnorm[l, h, c])
+            a, b = ends[h], ends[h + 1]
+            if b > a:
+                c = cells[a:b]
+                tier.add(l, h, read.true[l, h, c], k[a:b], v[a:b], basis.keys(k[a:b]), read.vnorm[l, h, c])
             keep = plan.keep[l, h]
             keep = keep[keep >= 0]
             back = keep[from_tier[l, h, keep]]

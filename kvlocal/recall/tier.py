@@ -33,7 +33,7 @@ from kvlocal.compress.kernels import gather_rows
 from kvlocal.errors import UsageError
 
 PAGE = 16  # rows per page (Quest uses 16)
-CHUNK = 4 * PAGE  # rows per storage chunk: the unit of allocation
+CHUNK = 16 * PAGE  # rows per storage chunk: the unit of allocation (an event stores hundreds of rows a head)
 EXTENT = 64 << 20  # bytes the spill file grows by
 
 
@@ -251,9 +251,10 @@ class HostTier:
             s.on_device[have[back]] = False
             known = ~np.isnan(vnorm[back])
             s.vnorm[have[back][known]] = vnorm[back][known]
-        new = np.flatnonzero(~back)
-        self.rows_out += len(new)
-        self._store(s, pos[new], k[new], v[new], keys[new], vnorm[new])
+            new = np.flatnonzero(~back)
+            pos, k, v, keys, vnorm = pos[new], k[new], v[new], keys[new], vnorm[new]
+        self.rows_out += len(pos)
+        self._store(s, pos, k, v, keys, vnorm)
 
     def _store(self, s: HeadStore, pos: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray,
                vnorm: np.ndarray) -> None:
@@ -273,16 +274,28 @@ class HostTier:
             ck[lo % CHUNK:lo % CHUNK + hi - lo] = k[lo - n0:hi - n0]
             cv[lo % CHUNK:lo % CHUNK + hi - lo] = v[lo - n0:hi - n0]
         s.pos[n0:n0 + m], s.vnorm[n0:n0 + m], s.on_device[n0:n0 + m] = pos, vnorm, False
-        # page bounds: the rows' keys reduced per page they fall in; a page begun before takes its old bound too
-        keys = np.asarray(keys, dtype=np.float32)
-        starts = np.r_[0, np.arange(-n0 % PAGE or PAGE, m, PAGE)]
-        pages = (n0 + starts) // PAGE
-        lo, hi = np.minimum.reduceat(keys, starts, axis=0), np.maximum.reduceat(keys, starts, axis=0)
-        if n0 % PAGE:
-            lo[0], hi[0] = np.minimum(lo[0], s.kmin[pages[0]]), np.maximum(hi[0], s.kmax[pages[0]])
-        s.kmin[pages], s.kmax[pages] = lo, hi
+        self._bound_pages(s, n0, np.asarray(keys, dtype=np.float32))
         s._indexed(pos, np.arange(n0, n0 + m))
         s.n += m
+
+    @staticmethod
+    def _bound_pages(s: HeadStore, n0: int, keys: np.ndarray) -> None:
+        """Rows ``n0 ..`` with these keys joined the store: each page they fall in bounds them (element-wise min and
+        max); the page begun before keeps its old rows' bound too. Whole pages at once, as ``[pages, PAGE, d]``."""
+        m = len(keys)
+        head = min(-n0 % PAGE, m)  # the rows that go on filling the page begun before
+        if head:
+            p = n0 // PAGE
+            s.kmin[p] = np.minimum(s.kmin[p], keys[:head].min(axis=0))
+            s.kmax[p] = np.maximum(s.kmax[p], keys[:head].max(axis=0))
+        full = (m - head) // PAGE
+        if full:
+            p = (n0 + head) // PAGE
+            pages = keys[head:head + full * PAGE].reshape(full, PAGE, -1)
+            s.kmin[p:p + full], s.kmax[p:p + full] = pages.min(axis=1), pages.max(axis=1)
+        if head + full * PAGE < m:  # the last rows begin a page of their own
+            tail, p = keys[head + full * PAGE:], (n0 + head) // PAGE + full
+            s.kmin[p], s.kmax[p] = tail.min(axis=0), tail.max(axis=0)
 
     @staticmethod
     def _grow_meta(s: HeadStore, n: int) -> None:
