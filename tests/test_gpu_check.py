@@ -51,7 +51,7 @@ def test_gpu_pack_and_check_run_every_step(tmp_path):
         text = (results / f"{name}.txt").read_text()
         assert f"method {method} · budget 0.1 · 600-token prompt" in text
         copied = next(line for line in text.splitlines() if line.startswith("K/V copied to the host"))
-        assert copied.split()[-5:] == ["0.0", "MiB", "0", "on", "native"]  # native: nothing crossed
+        assert copied.split()[-8:] == ["0.0", "MiB", "0", "on", "native", "without", "a", "tier"]  # nothing crossed
     rows = [line.split() for line in (results / "frontier.txt").read_text().splitlines()
             if line.strip().startswith(("512", "1,024"))]
     assert [row[1] for row in rows] == ["full", "full-kv-q8_0", "full-kv-q4_0", "criticalkv", "criticalkv@kv-q8_0"] * 2

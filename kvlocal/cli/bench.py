@@ -127,8 +127,8 @@ def run(args) -> int:
     runs = {}
     for i, backend in enumerate(backends, 2):
         log(f"[{i}/{n}] {args.method} at budget {args.budget} on the {backend} backend, same prompt")
-        runs[backend] = measure(model, long, args.method, args.budget, args.decode, args.threads, backend, cache=args.cache,
-                                recall=RECALL[args.recall or "off"])
+        runs[backend] = measure(model, long, args.method, args.budget, args.decode, args.threads, backend,
+                                cache=args.cache, recall=RECALL[args.recall or "off"])
     result = {
         "full": full,
         "backends": {b: {"kv_bytes_ratio": r["kv_bytes_allocated"] / full["kv_bytes_allocated"],
@@ -185,8 +185,9 @@ def run_overhead(args, model: Model) -> int:
         r = measure(model, long, args.method, args.budget, args.decode, args.threads, backend, chunk=chunk,
                     recall=RECALL[args.recall or "off"],
                     low_water=low, observe_every=every, method_params={"value_norm": norm} if norm else None)
-        rows.append(dict(chunk=chunk, low_water=r["low_water"], recall=r["recall"], host_tier_bytes=r["host_tier_bytes"], observe_every=every, value_norm=norm, kv_bytes=r["kv_bytes_allocated"],
-                         n_ctx=r["n_ctx"],
+        rows.append(dict(chunk=chunk, low_water=r["low_water"], recall=r["recall"],
+                         host_tier_bytes=r["host_tier_bytes"], observe_every=every, value_norm=norm,
+                         kv_bytes=r["kv_bytes_allocated"], n_ctx=r["n_ctx"],
                          ttft=r["prefill_seconds"], decode_tok_s=r["decode_tok_s"], events=r["compression_events"],
                          moved=r["observations_moved"], compression_seconds=r["compression_seconds"],
                          share=r["compression_seconds"] / r["prefill_seconds"], breakdown=r["compression_breakdown"],
@@ -237,7 +238,8 @@ def run_frontier(args, model: Model) -> int:
         tokens = long_text(model, n - args.decode - 1)
         for i, (label, method, budget, cache) in enumerate(configs, 1):
             print(f"[{n:,} tokens {i}/{len(configs)}] {label}", file=sys.stderr, flush=True)
-            r = measure(model, tokens, method, budget, args.decode, args.threads, cache=cache, recall=RECALL[args.recall or "off"])
+            r = measure(model, tokens, method, budget, args.decode, args.threads, cache=cache,
+                        recall=RECALL[args.recall or "off"])
             rows.append(dict(tokens=n, config=label, kv_bytes=r["kv_bytes_allocated"], ttft=r["prefill_seconds"],
                              decode_tok_s=r["decode_tok_s"], compression_seconds=r["compression_seconds"],
                              share=r["compression_seconds"] / r["prefill_seconds"], events=r["compression_events"]))

@@ -39,7 +39,7 @@ def read_gguf(path: str | os.PathLike):
 def dequantize_tensor(tensor, path: str | os.PathLike | None = None) -> np.ndarray:
     """One GGUF tensor as a float32 array in numpy order (``reversed(ne)``), with gguf's own routines — or, for
     q8_0, q4_0, q4_1, q5_0 and q5_1, kvlocal's C kernel (:func:`kvlocal.compress.kernels.dequant_rows`: the same
-    bits, 1.6–3× faster on the W_O of SmolLM2 and Qwen2.5-0.5B — read at a chat's first compression event)."""
+    bits, faster than the gguf package's numpy — a model's W_O is read so at a chat's first compression event)."""
     from gguf.quants import dequantize
 
     shape = tuple(int(n) for n in reversed(tensor.shape))
