@@ -94,8 +94,10 @@ def check_llama_args(args) -> None:
         raise UsageError(f"-t/--threads {args.threads}: give at least 1 (default: the cores, at most 8)")
     if getattr(args, "observe_every", 1) < 1:
         raise UsageError(f"--observe-every {args.observe_every}: give at least 1 (1: the probe is decoded for every event)")
-    if getattr(args, "low_water", None) is not None and not 0 < args.low_water <= 1:
-        raise UsageError(f"--low-water {args.low_water}: give a share of the budget in (0, 1] (1: every event leaves the whole budget)")
+    if getattr(args, "low_water", None) is not None:
+        from kvlocal.engine.config import check_low_water
+
+        check_low_water(args.low_water, "--low-water")
     if getattr(args, "value_norm", None) is not None:
         check_value_norm(args.method)
     if hasattr(args, "recall"):

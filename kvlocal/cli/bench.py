@@ -29,11 +29,17 @@ from importlib import resources
 
 from kvlocal.compress import VALUE_NORMS, value_norm_refusal
 from kvlocal.engine import DECODE_OBSERVATIONS, DECODE_OBSERVE, LOW_WATER, RECALL_ROOM, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS, Budget, Engine
+from kvlocal.engine.config import check_low_water
 from kvlocal.errors import UsageError
 from kvlocal.runtime import CACHE_TYPES, Model, cache_type, resolve_backend
 
 
 RECALL = {"off": False, "on": True, "auto": None}  # --recall → Engine(recall=)
+
+
+def recall_of(args) -> bool | None:
+    """``--recall`` → the compressed runs' ``Engine(recall=)`` (off when not given)."""
+    return RECALL[args.recall or "off"]
 
 
 def long_text(model: Model, n_tokens: int) -> list[int]:
@@ -93,8 +99,9 @@ def run(args) -> int:
         raise UsageError("--step-every: give whole numbers of at least 1 (1: any answer step may swap)")
     if args.overhead and (min(args.chunks) < 1 or min(args.observe_every) < 1):
         raise UsageError("--chunks and --observe-every: give whole numbers of at least 1")
-    if not all(w is None or 0 < w <= 1 for w in args.low_waters):
-        raise UsageError("--low-waters: give shares of the budget in (0, 1] (1: every event leaves the whole budget)")
+    for w in args.low_waters:
+        if w is not None:
+            check_low_water(w, "--low-waters")
     if args.low_waters != [None] and not args.overhead:
         raise UsageError("--low-waters is a lever of --overhead: add --overhead")
     if args.configs != list(FRONTIER_CONFIGS) and not args.frontier:
@@ -128,7 +135,7 @@ def run(args) -> int:
     for i, backend in enumerate(backends, 2):
         log(f"[{i}/{n}] {args.method} at budget {args.budget} on the {backend} backend, same prompt")
         runs[backend] = measure(model, long, args.method, args.budget, args.decode, args.threads, backend,
-                                cache=args.cache, recall=RECALL[args.recall or "off"])
+                                cache=args.cache, recall=recall_of(args))
     result = {
         "full": full,
         "backends": {b: {"kv_bytes_ratio": r["kv_bytes_allocated"] / full["kv_bytes_allocated"],
@@ -171,8 +178,8 @@ def run(args) -> int:
 
 def run_overhead(args, model: Model) -> int:
     """``--overhead``: what each lever against compression's cost buys, side by side on one prompt: every
-    ``--chunks`` (fewer, larger events; more cells) × ``--low-waters`` (fewer, larger events; the same cells) × ``--observe-every`` (fewer probe decodes) × ``--value-norms``
-    (CriticalKV's L1 or the cheaper L2) × ``--backends`` (default: the one ``auto`` picks), against the full cache."""
+    ``--chunks`` (fewer, larger events; more cells) × ``--low-waters`` (fewer, larger events; the same cells) ×
+    ``--observe-every`` (fewer probe decodes) × ``--value-norms`` (CriticalKV's L1 or the cheaper L2) × ``--backends`` (default: the one ``auto`` picks), against the full cache."""
     long = long_text(model, args.long)
     grid = list(itertools.product(args.backends or ["auto"], args.chunks, args.low_waters, args.observe_every,
                                   args.value_norms or [None]))
@@ -180,10 +187,11 @@ def run_overhead(args, model: Model) -> int:
     full = measure(model, long, "full", "1", args.decode, args.threads)
     rows = []
     for i, (backend, chunk, low, every, norm) in enumerate(grid, 2):
-        print(f"[{i}/{1 + len(grid)}] {args.method} {args.budget} ({backend} backend), chunk {chunk}, low water {low or 'default'}, "
-              f"observe every {every}" + (f", {norm} value norms" if norm else ""), file=sys.stderr, flush=True)
+        print(f"[{i}/{1 + len(grid)}] {args.method} {args.budget} ({backend} backend), chunk {chunk}, "
+              f"low water {low or 'default'}, observe every {every}" + (f", {norm} value norms" if norm else ""),
+              file=sys.stderr, flush=True)
         r = measure(model, long, args.method, args.budget, args.decode, args.threads, backend, chunk=chunk,
-                    recall=RECALL[args.recall or "off"],
+                    recall=recall_of(args),
                     low_water=low, observe_every=every, method_params={"value_norm": norm} if norm else None)
         rows.append(dict(chunk=chunk, low_water=r["low_water"], recall=r["recall"],
                          host_tier_bytes=r["host_tier_bytes"], observe_every=every, value_norm=norm,
@@ -239,7 +247,7 @@ def run_frontier(args, model: Model) -> int:
         for i, (label, method, budget, cache) in enumerate(configs, 1):
             print(f"[{n:,} tokens {i}/{len(configs)}] {label}", file=sys.stderr, flush=True)
             r = measure(model, tokens, method, budget, args.decode, args.threads, cache=cache,
-                        recall=RECALL[args.recall or "off"])
+                        recall=recall_of(args))
             rows.append(dict(tokens=n, config=label, kv_bytes=r["kv_bytes_allocated"], ttft=r["prefill_seconds"],
                              decode_tok_s=r["decode_tok_s"], compression_seconds=r["compression_seconds"],
                              share=r["compression_seconds"] / r["prefill_seconds"], events=r["compression_events"]))

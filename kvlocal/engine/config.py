@@ -121,9 +121,10 @@ DECODE_OBSERVE = "kept"
 # takes fewer, larger events in the same memory; a row ranked between this share and the budget at one event is
 # dropped there instead of competing again at the next — to the tier, from which a question brings it back.
 # docs/engine.md § fewer events in the same memory: 0.75 took SmolLM2's 8K compression from 12.1% to 7.6% of the
-# prefill, KL equal or lower on the eval, 38 of 48 facts on the development chat against 35, one Qwen multikey prompt
-# of three lost; 0.5 (6.3%) found 5 of 6 facts on the six-question chat. Without a tier every event leaves the budget (1): at 0.75 and 0.9 a chat lost a fact stated before a long turn
-# (tests/test_chat_budget.py), which 1 keeps and the tier brings back
+# prefill without a tier (14.2% to 8.4% with one, § what the chat's default costs), KL equal or lower on the eval,
+# 38 of 48 facts on the development chat against 35, one Qwen multikey prompt of three lost; 0.5 found 5 of 6 facts
+# on the six-question chat. Without a tier every event leaves the budget (1): at 0.75 and 0.9 a chat lost a fact
+# stated before a long turn (tests/test_chat_budget.py), which 1 keeps and the tier brings back
 LOW_WATER = 0.75
 
 
@@ -161,10 +162,12 @@ RECALL_STEP_EVERY = 1
 RECALL_ROOM = 64
 
 
-def check_low_water(value) -> None:
-    """UsageError, naming the fix, unless ``value`` is a share of the budget in (0, 1] (``low_water``)."""
+def check_low_water(value, name: str = "low_water") -> None:
+    """UsageError, naming the fix, unless ``value`` is a share of the budget in (0, 1]; ``name``: what the caller
+    calls it (``low_water``, ``--low-water``, ``--low-waters``)."""
     if isinstance(value, bool) or not (isinstance(value, (int, float, np.floating)) and 0 < value <= 1):
-        raise UsageError(f"low_water {value!r}: give a share of the budget in (0, 1] (1: every event leaves the whole budget)")
+        raise UsageError(f"{name} {value!r}: give a share of the budget in (0, 1] "
+                         f"(1: every event leaves the whole budget)")
 
 
 def step_keeps(held: int, every: int, confidence: float):
