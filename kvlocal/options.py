@@ -68,8 +68,8 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
                    help="the first N tokens of each answer re-select the cache too, each with its own query "
                         "(default %(default)s; 0: only the question does; docs/recall.md)")
     p.add_argument("--value-norm", choices=list(VALUE_NORMS), default=None,
-                   help="the norm of CriticalKV's projected values, |v·W_O|: l1 (the paper's, the default) or l2 "
-                        "(the same ranking's cheaper lever: docs/engine.md)")
+                   help="the norm of CriticalKV's projected values, |v·W_O|: l2 (the default: computed exactly at "
+                        "d/D of the work) or l1 (the paper's; equal quality measured: docs/engine.md)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -175,7 +175,7 @@ def check_value_norm(method: str) -> None:
 
 
 def norm_args(args) -> dict:
-    """``--value-norm`` → Chat's ``value_norm`` keyword (None: the method's own)."""
+    """``--value-norm`` → Chat's ``value_norm`` keyword (None: the engine's default, ``VALUE_NORM``)."""
     return dict(value_norm=args.value_norm)
 
 

@@ -201,22 +201,23 @@ def test_saved_merged_and_sliding_window_sessions_reload(request, tmp_path, mode
 
 
 def test_value_norm_reaches_the_scorer_and_the_saved_session(smollm2_model, tmp_path):
-    """Chat(value_norm="l2") (kvlocal chat/serve --value-norm) ranks CriticalKV's values by L2, and a saved session
-    keeps it; a method without the norm, or a norm not known, is refused before any model work."""
+    """Chat(value_norm="l1") (kvlocal chat/serve --value-norm) ranks CriticalKV's values by the paper's L1 instead of
+    the default L2, and a saved session keeps it; a method without the norm, or a norm not known, is refused before
+    any model work."""
     from kvlocal.compress import norm_p
 
-    with Chat(smollm2_model, budget=128, value_norm="l2", low_water=0.5) as chat:
+    with Chat(smollm2_model, budget=128, value_norm="l1", low_water=0.5) as chat:
         chat.read(PROSE[:2000], name="doc.txt")
-        assert chat.engine.stats.compression_events > 0 and norm_p(chat.engine.scorer) == 2
-        chat.save(tmp_path / "l2.kvl")
-    with Chat.load(tmp_path / "l2.kvl", model=smollm2_model) as chat:  # the reading's low water is kept too
-        assert norm_p(chat.engine.scorer) == 2 and chat.engine.cfg.low_water == 0.5
-        chat.reconfigure(method="snapkv")  # /method: a method without the norm runs; switching back keeps L2
-        assert chat.settings.method == "snapkv" and norm_p(chat.engine.scorer) == 1
+        assert chat.engine.stats.compression_events > 0 and norm_p(chat.engine.scorer) == 1
+        chat.save(tmp_path / "l1.kvl")
+    with Chat.load(tmp_path / "l1.kvl", model=smollm2_model) as chat:  # the reading's low water is kept too
+        assert norm_p(chat.engine.scorer) == 1 and chat.engine.cfg.low_water == 0.5
+        chat.reconfigure(method="snapkv")  # /method: a method without the norm runs; switching back keeps L1
+        assert chat.settings.method == "snapkv" and chat.settings.value_norm == "l1"
         chat.reconfigure(method="criticalkv")
-        assert norm_p(chat.engine.scorer) == 2
-    with Chat(smollm2_model, budget=128) as chat:  # the default: the paper's L1
         assert norm_p(chat.engine.scorer) == 1
+    with Chat(smollm2_model, budget=128) as chat:  # the default: L2 (kvlocal.engine.VALUE_NORM)
+        assert norm_p(chat.engine.scorer) == 2
     for kw, says in ((dict(method="snapkv", value_norm="l2"), "method snapkv has no value norm"),
                      (dict(value_norm="l3"), "give one of l1, l2"), (dict(low_water=0), "low_water 0")):
         with pytest.raises(UsageError, match=says):

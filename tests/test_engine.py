@@ -38,7 +38,7 @@ import pytest
 from conftest import run_cli
 from replay import replay
 from kvlocal.compress import VALUE_NORMS, CriticalKV, LayerInputs, Plan, SnapKV, projected_value_norms
-from kvlocal.engine import AGNOSTIC_PROBE, LOW_WATER, Budget, Engine
+from kvlocal.engine import AGNOSTIC_PROBE, LOW_WATER, VALUE_NORM, Budget, Engine
 from kvlocal.errors import UsageError
 from kvlocal.runtime.llama import kv_cache_bytes
 from kvlocal.runtime import Sampler
@@ -332,10 +332,10 @@ def test_kept_sets_match_the_reference_scorer(run, comparison, ref_model, smollm
     ev = eng.events[INPUTS_EVENT]
     m = smollm2_model
     assert ev.inputs is not None and len(ev.inputs) == m.n_layer and ev.budget == BUDGET
-    # the engine's scorer: CriticalKV over SnapKV with the defaults of the papers' code
+    # the engine's scorer: CriticalKV over SnapKV with the defaults of the papers' code, and the engine's value norm
     assert eng.scorer.inner == CriticalKV(SnapKV(window_size=32, kernel_size=7, pooling="max"), epsilon=1e-4,
-                                          first_stage_ratio=0.5)
-    norm = eng.scorer.inner.value_norm  # the default's, L1 or L2: the reference ranks by the same
+                                          first_stage_ratio=0.5, value_norm=VALUE_NORM)
+    norm = eng.scorer.inner.value_norm  # the reference ranks by the same
     ref_scorer = rc.CriticalKV(rc.SnapKV(window_size=32, kernel_size=7, pooling="max", n_sink=N_SINK),
                                epsilon=1e-4, first_stage_ratio=0.5, value_norm=norm)
     ref_cache, ref_q = comparison["at_event"]["cache"], comparison["at_event"]["q"]

@@ -77,8 +77,10 @@ def test_methods_run_on_quantized_caches_as_method_at_cache():
     # +l2 / +l1: CriticalKV's value norm, wherever CriticalKV is (the engine's method_params)
     assert split_method("criticalkv+l2+recall@kv-q8_0") == ("criticalkv", (8, 8), True)
     assert split_method("criticalkv+adakv+l2") == ("criticalkv+adakv", (None, None), False)
-    assert [method_params(m) for m in ("criticalkv", "criticalkv+l2+recall", "criticalkv+l1@kv-q8_0")] == [
-        {}, {"value_norm": "l2"}, {"value_norm": "l1"}]
+    # without one, the paper's L1 (not the engine's default): a name means what it meant in earlier records
+    assert [method_params(m) for m in ("criticalkv", "criticalkv+l2+recall", "criticalkv+l1@kv-q8_0", "criticalkv+adakv",
+                                       "snapkv+recall", "full-kv-q4_0")] == [
+        {"value_norm": "l1"}, {"value_norm": "l2"}, {"value_norm": "l1"}, {"value_norm": "l1"}, {}, {}]
     # +kept: decode-time events observed by the queries their tokens had (the engine's decode_observe)
     assert split_method("criticalkv+kept+l2+recall@kv-q8_0") == ("criticalkv", (8, 8), True)
     assert [decode_observe(m) for m in ("criticalkv", "snapkv+kept", "criticalkv+kept+recall@kv-q8_0")] == [

@@ -312,6 +312,12 @@ def test_rows_cross_between_the_device_and_the_host(tiny, fa, cache):
 # -- the engine on both backends -----------------------------------------------------------------
 
 
+# CriticalKV's L1 value norms, the paper's: the same arithmetic through W_O on both backends, where the comparisons
+# below ask for identical sets (the engine's default, L2, goes through W_O on the device and through its d x d factor
+# on the host: equal up to float rounding)
+L1 = {"value_norm": "l1"}
+
+
 def run_engine(model, backend, method, tokens, budget, n_gen=24, **kw):
     eng = Engine(model, budget, method, max_tokens=len(tokens) + n_gen + 1, n_threads=THREADS, backend=backend, **kw)
     eng.prefill(tokens, probe=tokens[-32:])
@@ -323,7 +329,7 @@ def run_engine(model, backend, method, tokens, budget, n_gen=24, **kw):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_native_and_state_keep_identical_sets_on_tiny_f32_models(tiny, arch):
     """The same plans and replies on both backends where they compute the same arithmetic: CriticalKV's L1 value
-    norms (the default) through W_O on both. Its L2 norms are computed through W_O on the device and through
+    norms (the paper's; the engine's default is L2, so L1 is named) through W_O on both. Its L2 norms are computed through W_O on the device and through
     its d x d factor on the host (patch 0019, :func:`~kvlocal.compress.criticalkv.l2_factor`): equal up to float
     rounding, so a near-tie may go the other way (3 of 300 slots once, on gemma3 with head budgets): at least
     98% of the slots the same there."""
@@ -331,7 +337,7 @@ def test_native_and_state_keep_identical_sets_on_tiny_f32_models(tiny, arch):
     tokens = model.tokenize(sample_text())[:600]
     # criticalkv covers snapkv (its first stage) and criticalkv+adakv covers adakv's head budgets (-inf slots)
     l2 = {"value_norm": "l2"}
-    for method, params in (("streaming", {}), ("criticalkv", {}), ("criticalkv+adakv", {}), ("criticalkv", l2),
+    for method, params in (("streaming", {}), ("criticalkv", L1), ("criticalkv+adakv", L1), ("criticalkv", l2),
                            ("criticalkv+adakv", l2)):
         # 200 generated tokens fill the 176 cells of slack: a decode-time event after the prefill's
         cells = 128 if "adakv" in method else 64  # head budgets share the cells: a mean of 64 per head
@@ -356,8 +362,9 @@ def test_native_and_state_keep_identical_sets_on_a_quantized_cache(tmp_path, cac
     model = Model(tiny_gguf.write_tiny(tmp_path / "llama-64.gguf", arch="llama", head_dim=64), n_gpu_layers=NGL)
     t = TYPES[cache]
     tokens = model.tokenize(sample_text())[:600]
-    native, r_native = run_engine(model, "native", "criticalkv", tokens, 64, n_gen=200, chunk=32, recent=16, type_k=t, type_v=t)
-    state, r_state = run_engine(model, "state", "criticalkv", tokens, 64, n_gen=200, chunk=32, recent=16, type_k=t, type_v=t)
+    kw = dict(n_gen=200, chunk=32, recent=16, type_k=t, type_v=t, method_params=L1)  # the same arithmetic on both
+    native, r_native = run_engine(model, "native", "criticalkv", tokens, 64, **kw)
+    state, r_state = run_engine(model, "state", "criticalkv", tokens, 64, **kw)
     assert native.backend == "native" and state.backend == "state"
     assert native.stats.compression_events == state.stats.compression_events > native.prefill_events > 2
     for a, b in ((native.prompt_plan, state.prompt_plan), (native.last_plan, state.last_plan)):
@@ -442,7 +449,8 @@ def test_native_and_state_recall_the_same_rows(tiny, arch):
         # its decode on one backend and swaps on the other (Gemma 3, measured). Every event leaves the budget
         # (low_water 1.0): at the tier's default 0.75 gemma3 meets a near-tie too (463 vs 464 rows back, measured)
         eng = Engine(model, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, n_threads=THREADS, backend=backend,
-                     type_k=0, type_v=0, recall=True, observe_every=1, recall_step_confidence=1.0, low_water=1.0)
+                     type_k=0, type_v=0, recall=True, observe_every=1, recall_step_confidence=1.0, low_water=1.0,
+                     method_params=L1)  # L1 norms: the same arithmetic on both backends (L2's routes round apart)
         eng.prefill(tokens[:500], probe=tokens[500:516])
         eng.prefill_bytes, eng.prefill_rows_out = eng.kv.host_kv_bytes, eng.tier.rows_out
         back = eng.recall(tokens[600:620])

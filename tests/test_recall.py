@@ -228,7 +228,7 @@ def test_moving_positions_back_keeps_the_tiers_latest_history(tiny_llama64, cach
     tiers = {}
     for backend in ("state", "native"):
         eng = Engine(model, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True, endless=True,
-                     type_k=t, type_v=t, backend=backend)
+                     type_k=t, type_v=t, backend=backend, method_params={"value_norm": "l1"})  # one arithmetic on both
         eng.prefill(tokens[:600], probe=tokens[600:616])
         tier, basis, rope = eng.tier, eng.basis, eng.observations.rope
         before = [[(s.pos[:s.n].copy(), s.on_device[:s.n].copy(), s.rows(np.arange(s.n))[0]) for s in layer]

@@ -67,7 +67,7 @@ class ChatSettings:
     pin_system: bool = True  # the system message is never evicted
     observe_every: int = OBSERVE_EVERY  # events one decode of a reading's probe scores (kvlocal.engine.observation)
     recall_steps: int = RECALL_STEPS  # an answer's first tokens that re-select the cache with their own query
-    value_norm: str | None = None  # CriticalKV's value norm, "l1" or "l2" (None: the method's own, L1)
+    value_norm: str | None = None  # CriticalKV's value norm, "l1" or "l2" (None: the engine's VALUE_NORM, L2)
     low_water: float | None = None  # the share of the budget a reading's events leave before its last (None: the engine's)
 
 

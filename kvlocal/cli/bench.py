@@ -29,7 +29,7 @@ from importlib import resources
 
 from kvlocal.compress import VALUE_NORMS, value_norm_refusal
 from kvlocal.engine import DECODE_OBSERVATIONS, DECODE_OBSERVE, LOW_WATER, RECALL_ROOM, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS, Budget, Engine
-from kvlocal.engine.config import check_low_water
+from kvlocal.engine.config import check_low_water, resolve_method_params
 from kvlocal.errors import UsageError
 from kvlocal.runtime import CACHE_TYPES, Model, cache_type, resolve_backend
 
@@ -179,7 +179,7 @@ def run(args) -> int:
 def run_overhead(args, model: Model) -> int:
     """``--overhead``: what each lever against compression's cost buys, side by side on one prompt: every
     ``--chunks`` (fewer, larger events; more cells) × ``--low-waters`` (fewer, larger events; the same cells) ×
-    ``--observe-every`` (fewer probe decodes) × ``--value-norms`` (CriticalKV's L1 or the cheaper L2) × ``--backends`` (default: the one ``auto`` picks), against the full cache."""
+    ``--observe-every`` (fewer probe decodes) × ``--value-norms`` (CriticalKV's L1 or L2, the default) × ``--backends`` (default: the one ``auto`` picks), against the full cache."""
     long = long_text(model, args.long)
     grid = list(itertools.product(args.backends or ["auto"], args.chunks, args.low_waters, args.observe_every,
                                   args.value_norms or [None]))
@@ -190,11 +190,12 @@ def run_overhead(args, model: Model) -> int:
         print(f"[{i}/{1 + len(grid)}] {args.method} {args.budget} ({backend} backend), chunk {chunk}, "
               f"low water {low or 'default'}, observe every {every}" + (f", {norm} value norms" if norm else ""),
               file=sys.stderr, flush=True)
+        params = {"value_norm": norm} if norm else None
         r = measure(model, long, args.method, args.budget, args.decode, args.threads, backend, chunk=chunk,
-                    recall=recall_of(args),
-                    low_water=low, observe_every=every, method_params={"value_norm": norm} if norm else None)
+                    recall=recall_of(args), low_water=low, observe_every=every, method_params=params)
         rows.append(dict(chunk=chunk, low_water=r["low_water"], recall=r["recall"],
-                         host_tier_bytes=r["host_tier_bytes"], observe_every=every, value_norm=norm,
+                         host_tier_bytes=r["host_tier_bytes"], observe_every=every,
+                         value_norm=resolve_method_params(args.method, params).get("value_norm"),
                          kv_bytes=r["kv_bytes_allocated"], n_ctx=r["n_ctx"],
                          ttft=r["prefill_seconds"], decode_tok_s=r["decode_tok_s"], events=r["compression_events"],
                          moved=r["observations_moved"], compression_seconds=r["compression_seconds"],
@@ -415,7 +416,7 @@ def add_arguments(p) -> None:
                    help="with --overhead: events one probe decode scores (default 1 4)")
     p.add_argument("--value-norms", nargs="+", choices=list(VALUE_NORMS), metavar="NORM",
                    help="with --overhead and a CriticalKV method: the value norm's lever, l1 and/or l2 "
-                        "(default: the method's; docs/engine.md)")
+                        "(default: the engine's, l2; docs/engine.md)")
     p.add_argument("--plot", metavar="FILE", help="with --frontier: a figure (PNG) of the table against the context")
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384], metavar="N",
                    help="context lengths for --recall-cost and --frontier (default 4096 8192 16384)")

@@ -98,11 +98,11 @@ class CriticalKV(Scorer):
         Fraction ``alpha`` of each head's budget chosen by attention alone; ``int(alpha*b)`` cells.
         kvpress floors the stage-1 count at 1; here ``b = 1`` gives a pure stage 2.
     value_norm : str
-        ``"l1"`` (the default: the paper's and kvpress's) or ``"l2"``: the paper's bound on the output's change
-        holds in any norm, and its ablation reports L2's gains as similar. L2 through ``W_O^h`` equals L2
+        ``"l1"`` (this class's default: the paper's and kvpress's) or ``"l2"``: the paper's bound on the output's
+        change holds in any norm, and its ablation reports L2's gains as similar. L2 through ``W_O^h`` equals L2
         through a ``d × d`` factor of it (:func:`l2_factor`, computed once per layer): D/d times less work per
-        row. Measured against L1 at equal memory in docs/engine.md § value norms (not the default: one fact
-        fewer on the six-question recall test).
+        row. Measured against L1 at equal memory in docs/engine.md § value norms, and the engine's default
+        (``kvlocal.engine.VALUE_NORM``); a bare ``CriticalKV()`` stays the paper's.
     """
 
     press: Scorer = field(default_factory=SnapKV)

@@ -73,9 +73,12 @@ def low_water(name: str) -> float:
 
 def method_params(name: str) -> dict:
     """The engine's ``method_params`` for a method as the eval names it (``+l1``, ``+l2``: CriticalKV's
-    ``value_norm``, one of :data:`~kvlocal.compress.VALUE_NORMS`)."""
+    ``value_norm``, one of :data:`~kvlocal.compress.VALUE_NORMS`). Without one, a method that has a value norm
+    ranks by the paper's L1 — not the engine's default — so a name means what it meant in every earlier record."""
     norm = [part for part in _parts(name) if part in VALUE_NORMS]
-    return {"value_norm": norm[-1]} if norm else {}
+    if norm:
+        return {"value_norm": norm[-1]}
+    return {} if value_norm_refusal(split_method(name)[0]) else {"value_norm": "l1"}
 
 
 def decode_observe(name: str) -> str:
