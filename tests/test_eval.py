@@ -78,8 +78,9 @@ def test_methods_run_on_quantized_caches_as_method_at_cache():
     assert split_method("criticalkv+l2+recall@kv-q8_0") == ("criticalkv", (8, 8), True)
     assert split_method("criticalkv+adakv+l2") == ("criticalkv+adakv", (None, None), False)
     # without one, the paper's L1 (not the engine's default): a name means what it meant in earlier records
-    assert [method_params(m) for m in ("criticalkv", "criticalkv+l2+recall", "criticalkv+l1@kv-q8_0", "criticalkv+adakv",
-                                       "snapkv+recall", "full-kv-q4_0")] == [
+    names = ("criticalkv", "criticalkv+l2+recall", "criticalkv+l1@kv-q8_0", "criticalkv+adakv", "snapkv+recall",
+             "full-kv-q4_0")
+    assert [method_params(m) for m in names] == [
         {"value_norm": "l1"}, {"value_norm": "l2"}, {"value_norm": "l1"}, {"value_norm": "l1"}, {}, {}]
     # +kept: decode-time events observed by the queries their tokens had (the engine's decode_observe)
     assert split_method("criticalkv+kept+l2+recall@kv-q8_0") == ("criticalkv", (8, 8), True)

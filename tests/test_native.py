@@ -329,9 +329,9 @@ def run_engine(model, backend, method, tokens, budget, n_gen=24, **kw):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_native_and_state_keep_identical_sets_on_tiny_f32_models(tiny, arch):
     """The same plans and replies on both backends where they compute the same arithmetic: CriticalKV's L1 value
-    norms (the paper's; the engine's default is L2, so L1 is named) through W_O on both. Its L2 norms are computed through W_O on the device and through
-    its d x d factor on the host (patch 0019, :func:`~kvlocal.compress.criticalkv.l2_factor`): equal up to float
-    rounding, so a near-tie may go the other way (3 of 300 slots once, on gemma3 with head budgets): at least
+    norms (the paper's; the engine's default is L2, so L1 is named) through W_O on both. Its L2 norms are computed
+    through W_O on the device and through its d x d factor on the host (patch 0019,
+    :func:`~kvlocal.compress.criticalkv.l2_factor`): equal up to float rounding, so a near-tie may go the other way (3 of 300 slots once, on gemma3 with head budgets): at least
     98% of the slots the same there."""
     model = Model(tiny[arch], n_gpu_layers=NGL)
     tokens = model.tokenize(sample_text())[:600]

@@ -179,7 +179,8 @@ def run(args) -> int:
 def run_overhead(args, model: Model) -> int:
     """``--overhead``: what each lever against compression's cost buys, side by side on one prompt: every
     ``--chunks`` (fewer, larger events; more cells) × ``--low-waters`` (fewer, larger events; the same cells) ×
-    ``--observe-every`` (fewer probe decodes) × ``--value-norms`` (CriticalKV's L1 or L2, the default) × ``--backends`` (default: the one ``auto`` picks), against the full cache."""
+    ``--observe-every`` (fewer probe decodes) × ``--value-norms`` (CriticalKV's L1 or L2, the default) ×
+    ``--backends`` (default: the one ``auto`` picks), against the full cache."""
     long = long_text(model, args.long)
     grid = list(itertools.product(args.backends or ["auto"], args.chunks, args.low_waters, args.observe_every,
                                   args.value_norms or [None]))
