@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--low-water", type=float, default=LOW_WATER,
                     help="the share of the budget the reading's events leave before its last (Chat(low_water=))")
     ap.add_argument("--value-norm", default=None, choices=VALUE_NORMS,
-                    help="CriticalKV's value norm (Chat(value_norm=); default: the paper's L1)")
+                    help="CriticalKV's value norm (Chat(value_norm=); default: the engine's, l2)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--rows", action="store_true", help="also: which rows of the asked fact are on the device")
     args = ap.parse_args()
