@@ -113,6 +113,21 @@ def test_l2_norms_through_the_factor_are_those_through_wo(level, d, n_head, grou
                            rtol=1e-3)  # the factor keeps the L2 norm only
 
 
+def test_l2_factor_of_a_head_of_zeros(level):
+    # a pruned head's slice of W_O is zero: its Gram matrix has no Cholesky factor, so the factor comes from the QR;
+    # the norms are still those through W_O (0 for that head)
+    rng = np.random.default_rng(5)
+    d, n_head, big_d = 8, 4, 40
+    v = rng.standard_normal((20, d)).astype(np.float32)
+    wo = rng.standard_normal((big_d, n_head * d)).astype(np.float32)
+    wo[:, d:2 * d] = 0
+    factor = l2_factor(wo, n_head)
+    assert not factor[:, d:2 * d].any()
+    for first in range(n_head):
+        np.testing.assert_allclose(kernels.vnorm(v, factor, first, 1, p=2),
+                                   numpy_kernels.vnorm(v, wo, first, 1, p=2), rtol=1e-5, atol=1e-6)
+
+
 def test_vnorm_is_the_norm_of_the_projection(level):
     # one row, one head: ||v W_O^h||_1 and ||v W_O^h||_2 written out
     v = np.array([[1.0, -2.0]], np.float32)

@@ -40,8 +40,8 @@ static int page_bounds(const float * q, int m, int d, const float * kmin, const 
         return -1;
     }
     float * hiT = loT + (size_t) d * ld;
-    for (int p = 0; p < n_pages; p++) {
-        for (int i = 0; i < d; i++) {
+    for (int i = 0; i < d; i++) { /* written in order: strided stores would stall on every page */
+        for (int p = 0; p < n_pages; p++) {
             loT[(size_t) i * ld + p] = kmin[(size_t) p * d + i];
             hiT[(size_t) i * ld + p] = kmax[(size_t) p * d + i];
         }

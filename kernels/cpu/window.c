@@ -1,7 +1,8 @@
 /* Window attention votes: the mean, over a window of queries, of their softmax over the cached keys.
  *
- * The hot loop of SnapKV-style scoring. Keys are transposed once per KV head ([d][n], zero-padded) so
- * that vector lanes run over keys: a block of 4 query rows x 2 vectors of keys is accumulated in
+ * The hot loop of SnapKV-style scoring. Keys are transposed once per KV head, in blocks of one register
+ * block's keys ([n/step][d][step], zero-padded; written in order, since scattered stores cost as much as the
+ * products), so that vector lanes run over keys: a block of 4 query rows x 2 vectors of keys is accumulated in
  * registers (no horizontal sums), the 4 rows of logits are masked, exponentiated and normalised in
  * place in a small scratch, and added to the window mean. No [Hq, w, n] array is ever built. */
 
