@@ -115,16 +115,14 @@ def _from_tier(read) -> np.ndarray:
 def evicted(read, plan) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per compressed layer, the device rows ``plan`` drops from the cells of ``read`` (tier rows it does
     not keep are not evicted: they never left the tier): ``(cells, heads)``, each head's in position order."""
-    out = []
-    device = (read.true >= 0) & ~_from_tier(read)
-    for l in range(plan.n_layer):
-        kept = np.zeros((plan.n_kv, read.n), bool)
-        h, j = np.nonzero(plan.keep[l] >= 0)
-        kept[h, plan.keep[l][h, j]] = True
-        heads, cells = np.nonzero(device[l] & ~kept)
-        order = np.lexsort((read.true[l][heads, cells], heads))
-        out.append((cells[order], heads[order]))
-    return out
+    gone = (read.true >= 0) & ~_from_tier(read)  # the device's rows, less those the plan keeps: every layer at once
+    l, h, j = np.nonzero(plan.keep >= 0)
+    gone[l, h, plan.keep[l, h, j]] = False
+    layers, heads, cells = np.nonzero(gone)
+    order = np.lexsort((read.true[layers, heads, cells], heads, layers))
+    layers, heads, cells = layers[order], heads[order], cells[order]
+    ends = np.searchsorted(layers, np.arange(plan.n_layer + 1))
+    return [(cells[a:b], heads[a:b]) for a, b in zip(ends[:-1], ends[1:])]
 
 
 def store_evicted(tier: HostTier, read, plan, basis, gone, rows) -> None:
@@ -132,14 +130,19 @@ def store_evicted(tier: HostTier, read, plan, basis, gone, rows) -> None:
     dropped (``gone``, :func:`evicted`; their K/V ``rows`` per layer, taken before the plan was applied)
     go to the tier with their keys (for the page bounds) and norms; the tier rows it kept are flagged as
     on the device."""
-    from_tier = _from_tier(read)
     for l, ((cells, heads), (k, v)) in enumerate(zip(gone, rows)):
         ends = np.searchsorted(heads, np.arange(plan.n_kv + 1))  # each head's rows, together (evicted's order)
+        # a layer's rows at once (one conversion, two gathers), then sliced per head
+        pos, keys, norms = read.true[l][heads, cells], basis.keys(k), read.vnorm[l][heads, cells]
         for h in range(plan.n_kv):
             a, b = ends[h], ends[h + 1]
             if b > a:
-                c = cells[a:b]
-                tier.add(l, h, read.true[l, h, c], k[a:b], v[a:b], basis.keys(k[a:b]), read.vnorm[l, h, c])
+                tier.add(l, h, pos[a:b], k[a:b], v[a:b], keys[a:b], norms[a:b])
+    if read.tier_ids is None:  # no row came from the tier: none to flag as on the device
+        return
+    from_tier = _from_tier(read)
+    for l in range(plan.n_layer):
+        for h in range(plan.n_kv):
             keep = plan.keep[l, h]
             keep = keep[keep >= 0]
             back = keep[from_tier[l, h, keep]]

@@ -75,6 +75,9 @@ class _Geometry:
 
 
 _GEOMETRY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# per context, the buffer the last rewrite's blob was built in: llama.cpp copies a blob in, so the next rewrite
+# builds its own there — a new 10–30 MB buffer at every event cost more in page faults than building it did
+_WRITE_BUFFER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _layout(kv: SeqKV) -> tuple:
@@ -232,7 +235,11 @@ def write_seq(ctx, kv: SeqKV, previous: np.ndarray | None = None) -> None:
     raised again; if that fails too, :class:`CacheLost`.
     """
     pos = _validate(ctx, kv)
-    buf = build_blob(kv, pos, bias=has_attention_bias()) if pos.size or kv.tail is not None else None
+    buf = None
+    if pos.size or kv.tail is not None:
+        buf = build_blob(kv, pos, bias=has_attention_bias(), out=_WRITE_BUFFER.get(ctx))
+        if kv.tail is None and buf.base is None:  # a new buffer: the next write reuses it (its pages are mapped)
+            _WRITE_BUFFER[ctx] = buf
     if previous is None:
         previous = get_blob(ctx)
     clear_seq(ctx)
