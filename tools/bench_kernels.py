@@ -101,16 +101,17 @@ def timed(fn, layers, repeat: int, clock=time.perf_counter) -> dict[str, tuple[f
     return {v: (1e3 * float(np.median(per_layer[v])), 1e3 * float(np.median(totals[v]))) for v in per_layer}
 
 
-def steps(budget: int):
-    snap, crit = SnapKV(), CriticalKV(SnapKV())
+def steps(budget: int, value_norm: str = "l2"):
+    snap, crit = SnapKV(), CriticalKV(SnapKV(), value_norm=value_norm)
 
     def votes(layer):
         kernels.window_votes(layer.q[:, -snap.window_size :], layer.q_pos[-snap.window_size :], layer.k, layer.pos_h)
 
     def vnorm_all(layer):
         group = layer.n_head // layer.n_kv
+        matrix, p = crit.norm_weights(layer)
         for g in range(layer.n_kv):
-            kernels.vnorm(layer.v[g], layer.wo, g * group, group)
+            kernels.vnorm(layer.v[g], matrix, g * group, group, p=p)
 
     def stage2_rows(layer, scores):
         b = np.full(layer.n_kv, min(budget, layer.n))
@@ -131,7 +132,7 @@ def steps(budget: int):
         ("window votes [Hq, n]", votes),
         ("SnapKV score (votes + pool + group mean)", score),
         ("select: top-k + sort by position", lambda layer: select(cache[layer.layer], budget, layer.pos)),
-        ("projected value norms, all cells", vnorm_all),
+        (f"projected value norms ({value_norm.upper()}), all cells", vnorm_all),
         ("CriticalKV rerank (stage 1 + norms of stage-2 cells)", lambda layer: stage2_rows(layer, cache[layer.layer])),
         ("event: SnapKV keep", lambda layer: snap.keep(layer, budget)),
         ("event: CriticalKV(SnapKV) keep", lambda layer: crit.keep(fresh(layer), budget)),
@@ -170,6 +171,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--known-norms", type=float, default=0.0, metavar="SHARE",
                     help="share of cells whose value norm is known (a recall swap: 0.999; default 0: every one computed)")
+    ap.add_argument("--value-norm", choices=("l1", "l2"), default="l2",
+                    help="CriticalKV's value norms: l2 (the engine's default, through W_O's d x d factor) or l1 "
+                         "(the paper's, through W_O)")
     ap.add_argument("--simd", choices=kernels.SIMD_LEVELS, help="cap the kernels' instruction set")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: this process's CPU time (steadier on a shared machine; counts every BLAS thread)")
@@ -180,7 +184,8 @@ def main(argv=None) -> None:
     layers = make_layers(args.layers, args.n, args.heads[0], args.heads[1], args.head_dim, args.hidden, args.window,
                          known=args.known_norms)
     print(f"{args.layers} layers, n={args.n}, budget={args.budget}, Hq/Hkv={args.heads[0]}/{args.heads[1]}, "
-          f"d={args.head_dim}, D={args.hidden}, w={args.window}, known norms {args.known_norms:g}; "
+          f"d={args.head_dim}, D={args.hidden}, w={args.window}, known norms {args.known_norms:g}, "
+          f"{args.value_norm.upper()} value norms; "
           f"kernels: {kernels.simd_level()}; {args.clock} clock")
     if not native_scoring():
         print("(at this level the scorers use numpy: only the two kernel rows compare C with numpy)")
@@ -189,7 +194,7 @@ def main(argv=None) -> None:
         plan_times(layers, args.budget, args.repeat, clock)
         return
     print(f"{'step':56s} {'C ms/layer':>11s} {'numpy ms/layer':>15s} {'C all':>9s} {'numpy all':>10s} {'speed-up':>9s}")
-    for name, fn in steps(args.budget):
+    for name, fn in steps(args.budget, args.value_norm):
         t = timed(fn, layers, args.repeat, clock)
         (c_layer, c_all), (n_layer, n_all) = t["C"], t["numpy"]
         print(f"{name:56s} {c_layer:11.2f} {n_layer:15.2f} {c_all:9.1f} {n_all:10.1f} {n_layer / c_layer:8.1f}x")
