@@ -110,6 +110,27 @@ def test_blob_build_is_the_inverse_of_parse(smollm2_model, tokens):
     np.testing.assert_array_equal(build_blob(kv), blob)
 
 
+def test_write_seq_builds_the_blob_in_the_buffer_it_is_given(smollm2_model, tokens):
+    # the state backend hands write_seq a buffer kept between events: the blob is built there (a prefix of it, the
+    # rest stale), and the cells are those a blob of its own gives
+    m = smollm2_model
+    ctx, twin = make_ctx(m, tokens, n=40, n_ctx=64), make_ctx(m, tokens, n=40, n_ctx=64)
+    buf = np.full(4 * get_blob(ctx).size, 0xAB, np.uint8)
+    asked = []
+
+    def alloc(nbytes):
+        asked.append(nbytes)
+        return buf[:nbytes]
+
+    for lo in (10, 20):  # twice: the second blob is built over the first
+        kv, kv_twin = read_seq(ctx), read_seq(twin)
+        write_seq(ctx, kv.select(kv.pos >= lo), alloc=alloc)
+        write_seq(twin, kv_twin.select(kv_twin.pos >= lo))
+        np.testing.assert_array_equal(buf[:asked[-1]], build_blob(kv.select(kv.pos >= lo)))
+    assert len(asked) == 2 and asked[1] < asked[0] and (buf[asked[0]:] == 0xAB).all()
+    assert same_rows(read_seq(ctx), read_seq(twin))
+
+
 # -- (2) eviction = llama_memory_seq_rm -----------------------------------------------------------
 
 

@@ -5,6 +5,7 @@ calls llama.cpp; :mod:`kvlocal.runtime.state` reads and writes a context's cells
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -299,10 +300,11 @@ def _put_rows(dst: np.ndarray, a: np.ndarray, t: int) -> None:
         dst.view(_ARRAY_DTYPE[t]).reshape(np.shape(a)[0], -1)[:] = np.reshape(a, (np.shape(a)[0], -1))
 
 
-def build_blob(kv: SeqKV, pos: np.ndarray | None = None, bias: bool = True, out: np.ndarray | None = None) -> np.ndarray:
+def build_blob(kv: SeqKV, pos: np.ndarray | None = None, bias: bool = True,
+               alloc: Callable[[int], np.ndarray] | None = None) -> np.ndarray:
     """The sequence-state blob for kv (the inverse of :func:`parse_blob`), without validation. ``bias``:
-    write the patched runtime's attention-bias section (``kv.bias`` must be None without it). ``out``: a uint8
-    buffer to write it in where it is large enough (the blob is then a view of it), else a new one."""
+    write the patched runtime's attention-bias section (``kv.bias`` must be None without it). ``alloc(nbytes)``:
+    the uint8 buffer to build it in (default: a new one; a sliding-window tail is always appended to a new one)."""
     if kv.bias is not None and not bias:
         raise UsageError("an attention bias (merged or head-budgeted cells) needs kvlocal's patched llama.cpp (patch 0006)")
     pos = np.asarray(kv.pos if pos is None else pos, dtype=np.int32)
@@ -317,7 +319,7 @@ def build_blob(kv: SeqKV, pos: np.ndarray | None = None, bias: bool = True, out:
         size += sum(12 + n * r for r in k_rows)
         size += sum(12 + n * r for r in v_rows)  # i32 type + u64 row bytes, or i32 type + u32 elem + u32 n_embd
         size += (4 if bias else 0) + (0 if kv.bias is None else sum(4 * int(np.size(b)) for b in kv.bias))
-    buf = out[:size] if out is not None and out.size >= size and kv.tail is None else np.empty(size, dtype=np.uint8)
+    buf = alloc(size) if alloc is not None and kv.tail is None else np.empty(size, dtype=np.uint8)
     off = 0
 
     def put(dtype: str, val: int) -> None:

@@ -52,6 +52,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -75,9 +76,6 @@ class _Geometry:
 
 
 _GEOMETRY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-# per context, the buffer the last rewrite's blob was built in: llama.cpp copies a blob in, so the next rewrite
-# builds its own there — a new 10–30 MB buffer at every event cost more in page faults than building it did
-_WRITE_BUFFER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _layout(kv: SeqKV) -> tuple:
@@ -222,7 +220,8 @@ def clear_seq(ctx) -> None:
         lib.llama_memory_clear(ctx._mem, False)  # nothing is left; only resets the head (no data cleared)
 
 
-def write_seq(ctx, kv: SeqKV, previous: np.ndarray | None = None) -> None:
+def write_seq(ctx, kv: SeqKV, previous: np.ndarray | None = None,
+              alloc: Callable[[int], np.ndarray] | None = None) -> None:
     """Replace sequence 0 with exactly the cells of kv, loaded into cells 0..n-1 in kv's cell order.
 
     Validates first (raises ValueError, cache untouched): at most ctx.n_ctx cells, non-negative unique
@@ -232,14 +231,11 @@ def write_seq(ctx, kv: SeqKV, previous: np.ndarray | None = None) -> None:
 
     All or nothing: ``previous`` is the blob of the cells held now (taken here when not given); if
     llama.cpp refuses the new cells — or the write is interrupted — it is loaded back and the error is
-    raised again; if that fails too, :class:`CacheLost`.
+    raised again; if that fails too, :class:`CacheLost`. ``alloc(nbytes)``: the buffer the blob is built in
+    (llama.cpp copies it in; :func:`build_blob`'s).
     """
     pos = _validate(ctx, kv)
-    buf = None
-    if pos.size or kv.tail is not None:
-        buf = build_blob(kv, pos, bias=has_attention_bias(), out=_WRITE_BUFFER.get(ctx))
-        if kv.tail is None and buf.base is None:  # a new buffer: the next write reuses it (its pages are mapped)
-            _WRITE_BUFFER[ctx] = buf
+    buf = build_blob(kv, pos, bias=has_attention_bias(), alloc=alloc) if pos.size or kv.tail is not None else None
     if previous is None:
         previous = get_blob(ctx)
     clear_seq(ctx)
