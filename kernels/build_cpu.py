@@ -14,6 +14,8 @@ ffibuilder.set_source(
     '#include "kvlocal_kernels.h"',
     sources=[str(p.relative_to(CPU.parent.parent)) for p in sorted(CPU.glob("*.c"))],
     include_dirs=[str(CPU.relative_to(CPU.parent.parent))],
+    # the SIMD templates (*.inc) and headers are #included: an edit to one must rebuild the extension too
+    depends=[str(p.relative_to(CPU.parent.parent)) for p in sorted([*CPU.glob("*.inc"), *CPU.glob("*.h")])],
     extra_compile_args=["-O3", "-std=c11"],
 )
 
