@@ -28,8 +28,9 @@ import numpy as np
 from kvlocal.compress import kernels, snapkv
 from kvlocal.compress import make_scorer, numpy_kernels
 from kvlocal.compress.base import LayerInputs, Scorer, native_scoring, plan_layers, select
-from kvlocal.compress.criticalkv import CriticalKV
+from kvlocal.compress.criticalkv import VALUE_NORMS, CriticalKV
 from kvlocal.compress.snapkv import SnapKV
+from kvlocal.engine import VALUE_NORM
 
 
 def make_layers(n_layer: int, n: int, n_head: int, n_kv: int, d: int, big_d: int, w: int, seed: int = 0,
@@ -101,7 +102,7 @@ def timed(fn, layers, repeat: int, clock=time.perf_counter) -> dict[str, tuple[f
     return {v: (1e3 * float(np.median(per_layer[v])), 1e3 * float(np.median(totals[v]))) for v in per_layer}
 
 
-def steps(budget: int, value_norm: str = "l2"):
+def steps(budget: int, value_norm: str = VALUE_NORM):
     snap, crit = SnapKV(), CriticalKV(SnapKV(), value_norm=value_norm)
 
     def votes(layer):
@@ -171,9 +172,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--known-norms", type=float, default=0.0, metavar="SHARE",
                     help="share of cells whose value norm is known (a recall swap: 0.999; default 0: every one computed)")
-    ap.add_argument("--value-norm", choices=("l1", "l2"), default="l2",
-                    help="CriticalKV's value norms: l2 (the engine's default, through W_O's d x d factor) or l1 "
-                         "(the paper's, through W_O)")
+    ap.add_argument("--value-norm", choices=VALUE_NORMS, default=VALUE_NORM,
+                    help="CriticalKV's value norms: l2 (through W_O's d x d factor) or l1 (the paper's, through W_O); "
+                         "default: the engine's, %(default)s")
     ap.add_argument("--simd", choices=kernels.SIMD_LEVELS, help="cap the kernels' instruction set")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: this process's CPU time (steadier on a shared machine; counts every BLAS thread)")
