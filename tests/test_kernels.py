@@ -101,6 +101,30 @@ def test_gather_rows_copies_rows_of_chunks_into_a_strided_destination():
         kernels.gather_rows(addr, 4, np.array([20]), dst[:1, 0])
 
 
+def test_page_boxes_are_each_pages_min_and_max_across_pieces():
+    # rows join a store a piece at a time (a page begun by one piece is finished by the next): each page's box is
+    # the element-wise min and max of all its keys, as numpy's reductions give it, NaN included; no page past the
+    # rows' is touched
+    rng = np.random.default_rng(11)
+    page, d = 16, 5
+    for _ in range(20):
+        n = int(rng.integers(1, 200))
+        keys = rng.standard_normal((n, d)).astype(np.float32)
+        keys[rng.random((n, d)) < 0.002] = np.nan
+        pages = -(-n // page)
+        kmin = np.full((pages + 2, d), 7.0, np.float32)  # two spare pages: must stay as they were
+        kmax = kmin.copy()
+        cuts = np.sort(rng.integers(0, n + 1, int(rng.integers(0, 6))))
+        for a, b in zip([0, *cuts], [*cuts, n]):
+            kernels.page_boxes(keys[a:b], a, page, kmin, kmax)
+        for p in range(pages):
+            np.testing.assert_array_equal(kmin[p], keys[p * page:(p + 1) * page].min(axis=0))
+            np.testing.assert_array_equal(kmax[p], keys[p * page:(p + 1) * page].max(axis=0))
+        assert (kmin[pages:] == 7).all() and (kmax[pages:] == 7).all()
+    with pytest.raises(ValueError):  # boxes that do not reach the rows' last page
+        kernels.page_boxes(keys, 0, page, kmin[:1], kmax[:1])
+
+
 def random_layer(rng, *, votes_given=False, half_values=False):
     """A layer of random size (cells in shuffled order, empty rows, merged rows' bias, some norms known);
     ``half_values``: its values an F16 cache's cells ``[n, Hkv, d]``, seen as ``[Hkv, n, d]``."""

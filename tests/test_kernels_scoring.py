@@ -204,6 +204,18 @@ def test_f16_heads_is_numpys_conversion_bit_for_bit(level, d):
     assert np.array_equal(got[~np.isnan(got)].view(np.uint32), want[~np.isnan(want)].view(np.uint32))
 
 
+def test_as_f32_of_half_rows_is_numpys_conversion(level):
+    """as_f32 (the scorers' and the recall tier's conversion of an F16 cache's rows) on heads [H, n, d] and on rows
+    [n, d], contiguous or a strided slice: numpy's float32 values, C-contiguous."""
+    from kvlocal.compress.base import as_f32
+
+    rows = np.random.default_rng(3).standard_normal((50, 3, 16)).astype(np.float16)
+    for x in (rows.transpose(1, 0, 2), rows[:, 1], rows.reshape(150, 16), rows[::2, 0]):
+        got = as_f32(x)
+        assert got.flags.c_contiguous and got.dtype == np.float32
+        np.testing.assert_array_equal(got, x.astype(np.float32))
+
+
 def test_bench_kernels_times_every_step(capsys):
     """tools/bench_kernels (the C kernels against numpy, step by step) runs and prints every step."""
     import sys

@@ -74,6 +74,12 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
  * rows go to out [n] in page order. Returns how many, or -1 on bad sizes or out of memory. */
 int kvl_page_candidates(const float * q, int m, int d, const float * kmin, const float * kmax, int n, int page, const unsigned char * on_device, long long n_want, int * out);
 
+/* The recall tier's page boxes as rows join a head's store (kernels/cpu/pages.c): keys [m, d] float32 of the
+ * store's rows first .. first + m - 1, pages of `page` rows, kmin/kmax [.., d] each page's element-wise minimum and
+ * maximum key. A page that row `first` continues widens the box it has; a page that begins in these rows gets
+ * theirs. NaN propagates, as in numpy. Returns 0, or -1 on bad sizes. */
+int kvl_page_boxes(const float * keys, long long m, int d, long long first, int page, float * kmin, float * kmax);
+
 /* Instruction set of the scoring kernels above: 0 generic (SSE2 / NEON / scalar), 1 AVX2+FMA,
  * 2 AVX-512; the widest the CPU supports is used. cap >= 0 limits it (tests and benchmarks compare the
  * levels; process-wide, not thread-safe); cap < 0 only asks. Returns the level now in use. */

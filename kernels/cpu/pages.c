@@ -1,4 +1,5 @@
-/* The recall tier's candidate pages for a question (kvlocal/recall/select.py, choose_candidates): one call
+/* The recall tier's pages: their key boxes as rows join a head's store (kvl_page_boxes, at the end), and the
+ * candidate pages for a question (kvlocal/recall/select.py, choose_candidates): one call
  * per KV head instead of two dozen numpy operations, which at a swap's sizes (a hundred pages, a few queries)
  * cost more than the arithmetic — 90 heads a swap on SmolLM2.
  *
@@ -17,6 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "simd.h"
 
@@ -125,4 +127,35 @@ int kvl_page_candidates(const float * q, int m, int d, const float * kmin, const
     free(rank);
     free(bound);
     return count;
+}
+
+/* min/max that keep a NaN as numpy's np.minimum/np.maximum do (the boxes then match the numpy steps bit for bit) */
+static inline float lesser(float x, float lo) {
+    return (x < lo || x != x) ? x : lo;
+}
+
+static inline float greater(float x, float hi) {
+    return (x > hi || x != x) ? x : hi;
+}
+
+int kvl_page_boxes(const float * keys, long long m, int d, long long first, int page, float * kmin, float * kmax) {
+    if (m < 0 || d <= 0 || first < 0 || page <= 0) {
+        return -1;
+    }
+    for (long long r = 0; r < m; r++) {
+        const long long row = first + r;
+        float *         lo  = kmin + (row / page) * d;
+        float *         hi  = kmax + (row / page) * d;
+        const float *   k   = keys + r * d;
+        if (row % page == 0) { /* a page's first row: its box starts here */
+            memcpy(lo, k, sizeof(float) * (size_t) d);
+            memcpy(hi, k, sizeof(float) * (size_t) d);
+            continue;
+        }
+        for (int i = 0; i < d; i++) {
+            lo[i] = lesser(k[i], lo[i]);
+            hi[i] = greater(k[i], hi[i]);
+        }
+    }
+    return 0;
 }

@@ -302,10 +302,10 @@ def vnorm(v, wo, first_head, n_group, rows=None, p=1) -> np.ndarray:
 
 
 def as_f32(rows: np.ndarray) -> np.ndarray:
-    """``rows`` as a C-contiguous float32 array: half floats [H, n, d] by :func:`kernels.f16_heads_f32` where
-    that is faster (:func:`native_scoring`), anything else by numpy. Exact either way."""
-    if rows.dtype == np.float16 and rows.ndim == 3 and native_scoring():
-        return kernels.f16_heads_f32(rows)
+    """``rows`` as a C-contiguous float32 array: half floats [H, n, d] or [n, d] by :func:`kernels.f16_heads_f32`
+    where that is faster (:func:`native_scoring`), anything else by numpy. Exact either way."""
+    if rows.dtype == np.float16 and rows.ndim in (2, 3) and native_scoring():
+        return kernels.f16_heads_f32(rows) if rows.ndim == 3 else kernels.f16_heads_f32(rows[None])[0]
     return np.ascontiguousarray(rows, dtype=np.float32)
 
 

@@ -138,6 +138,24 @@ def gather_rows(chunks: np.ndarray, chunk_rows: int, ids: np.ndarray, dst: np.nd
         raise IndexError("gather_rows: a row id outside the store")
 
 
+def page_boxes(keys: np.ndarray, first: int, page: int, kmin: np.ndarray, kmax: np.ndarray) -> None:
+    """The recall tier's page boxes as rows ``first ..`` with these ``keys`` ``[m, d]`` join a head's store
+    (:meth:`kvlocal.recall.tier.HostTier.add`): in place, each page's element-wise minimum and maximum key in
+    ``kmin``/``kmax`` ``[n_pages, d]`` float32 (C-contiguous); a page begun before widens its box. One call per head
+    instead of a dozen numpy reductions along a middle axis (the numpy steps are its test's reference)."""
+    keys = np.ascontiguousarray(keys, dtype=np.float32)
+    m, d = keys.shape
+    if m == 0:
+        return
+    for box in (kmin, kmax):
+        if box.dtype != np.float32 or not box.flags.c_contiguous or box.shape[1:] != (d,) \
+                or len(box) <= (first + m - 1) // page:
+            raise ValueError(f"page_boxes: boxes {box.dtype} {box.shape} do not hold the pages of rows "
+                             f"{first}..{first + m - 1}")
+    if lib.kvl_page_boxes(_ptr(keys, "float *"), m, d, first, page, _ptr(kmin, "float *"), _ptr(kmax, "float *")) != 0:
+        raise ValueError("page_boxes: bad sizes")
+
+
 def page_candidates(q: np.ndarray, kmin: np.ndarray, kmax: np.ndarray, on_device: np.ndarray, page: int,
                     n_want: int) -> np.ndarray:
     """The recall tier's candidate rows of one KV head (:func:`kvlocal.recall.select.choose_candidates`): the

@@ -29,12 +29,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlocal.compress.kernels import gather_rows
+from kvlocal.compress.kernels import gather_rows, page_boxes
 from kvlocal.errors import UsageError
 
 PAGE = 16  # rows per page (Quest uses 16)
 CHUNK = 16 * PAGE  # rows per storage chunk: the unit of allocation (an event stores hundreds of rows a head)
 EXTENT = 64 << 20  # bytes the spill file grows by
+SLAB = 8 << 20  # bytes of RAM allocated at once, then cut into chunks (Pool._from_slab)
 
 
 class TierFull(Exception):
@@ -51,6 +52,7 @@ class Pool:
         self._file = None  # (fd, path)
         self._extents: list[mmap.mmap] = []
         self._free = 0  # bytes left in the last extent
+        self._slab, self._slab_used = np.empty(0, dtype=np.uint8), 0  # RAM chunks are cut from the last slab
         if spill_dir is not None:
             self._open_file()
 
@@ -68,7 +70,7 @@ class Pool:
         when the disk is full."""
         if self.mem_limit is None or self.ram_bytes + nbytes <= self.mem_limit:
             self.ram_bytes += nbytes
-            return np.empty(nbytes, dtype=np.uint8)
+            return self._from_slab(nbytes)
         if self._file is None:
             raise TierFull
         if nbytes > self._free:
@@ -78,6 +80,16 @@ class Pool:
         self._free -= nbytes
         self.file_bytes += nbytes
         return np.frombuffer(m, dtype=np.uint8, count=nbytes, offset=off)
+
+    def _from_slab(self, nbytes: int) -> np.ndarray:
+        """RAM for a chunk, cut from a slab of ``SLAB`` bytes: numpy asks the kernel for huge pages for a buffer that
+        large, so the first writes to a slab's chunks fault a few times instead of once per 4 KiB page. A slab is
+        only address space until written: ``ram_bytes`` counts the chunks handed out."""
+        if nbytes > len(self._slab) - self._slab_used:
+            self._slab, self._slab_used = np.empty(max(SLAB, nbytes), dtype=np.uint8), 0
+        out = self._slab[self._slab_used:self._slab_used + nbytes]
+        self._slab_used += nbytes
+        return out
 
     def _grow(self, nbytes: int) -> None:
         fd, path = self._file
@@ -281,21 +293,8 @@ class HostTier:
     @staticmethod
     def _bound_pages(s: HeadStore, n0: int, keys: np.ndarray) -> None:
         """Rows ``n0 ..`` with these keys joined the store: each page they fall in bounds them (element-wise min and
-        max); the page begun before keeps its old rows' bound too. Whole pages at once, as ``[pages, PAGE, d]``."""
-        m = len(keys)
-        head = min(-n0 % PAGE, m)  # the rows that go on filling the page begun before
-        if head:
-            p = n0 // PAGE
-            s.kmin[p] = np.minimum(s.kmin[p], keys[:head].min(axis=0))
-            s.kmax[p] = np.maximum(s.kmax[p], keys[:head].max(axis=0))
-        full = (m - head) // PAGE
-        if full:
-            p = (n0 + head) // PAGE
-            pages = keys[head:head + full * PAGE].reshape(full, PAGE, -1)
-            s.kmin[p:p + full], s.kmax[p:p + full] = pages.min(axis=1), pages.max(axis=1)
-        if head + full * PAGE < m:  # the last rows begin a page of their own
-            tail, p = keys[head + full * PAGE:], (n0 + head) // PAGE + full
-            s.kmin[p], s.kmax[p] = tail.min(axis=0), tail.max(axis=0)
+        max); the page begun before keeps its old rows' bound too (:func:`~kvlocal.compress.kernels.page_boxes`)."""
+        page_boxes(keys, n0, PAGE, s.kmin, s.kmax)
 
     @staticmethod
     def _grow_meta(s: HeadStore, n: int) -> None:
