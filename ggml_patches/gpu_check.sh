@@ -26,7 +26,7 @@
 #   6. with STATE=1, step 4's bench on the state backend (the cache crosses PCIe at every event).
 # Needs: the CUDA runtime and cuBLAS (a CUDA toolkit; nvcc, CMake and a C++ compiler too when it builds), Python 3
 # with numpy, jinja2, tqdm and pytest (a stock CUDA/PyTorch image has them; the tests run in one process, without
-# pytest-xdist); nothing is downloaded.
+# pytest-xdist; gguf, diskcache, threadpoolctl and cffi come as wheels in the pack); nothing is downloaded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD

@@ -55,7 +55,7 @@ cp "$kernels" "$out/"
 version() { "$repo/.venv/bin/python" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 # pure-Python wheels, and cffi's compiled backend (the kernels import it) for the GPU image's CPython
 "$repo/.venv/bin/python" -m pip download -q --no-deps --only-binary=:all: -d "$out/wheels" \
-    "gguf==$(version gguf)" "diskcache==$(version diskcache)"
+    "gguf==$(version gguf)" "diskcache==$(version diskcache)" "threadpoolctl==$(version threadpoolctl)"
 "$repo/.venv/bin/python" -m pip download -q --no-deps --only-binary=:all: -d "$out/wheels" \
     --python-version "${GPU_PYTHON:-3.12}" --implementation cp --platform manylinux_2_28_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "cffi==$(version cffi)"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from kvlocal.compress.base import LayerInputs, Scorer, top_cells, vnorm
 from kvlocal.compress.snapkv import SnapKV, fused_keep
@@ -45,17 +47,31 @@ def l2_factor(wo: np.ndarray, n_head: int) -> np.ndarray:
     big_d, ld = wo.shape
     d = ld // n_head
     heads = np.asarray(wo, dtype=np.float64).reshape(big_d, n_head, d).transpose(1, 0, 2)  # [Hq, D, d]
-    try:
-        if big_d < d:
-            raise np.linalg.LinAlgError("fewer rows than columns")
-        r = np.linalg.cholesky(heads.transpose(0, 2, 1) @ heads).transpose(0, 2, 1)  # [Hq, d, d], R^T R = W^T W
-    except np.linalg.LinAlgError:
-        r = np.linalg.qr(heads, mode="r")  # [Hq, min(d, D), d]
+    with one_blas_thread():
+        try:
+            if big_d < d:
+                raise np.linalg.LinAlgError("fewer rows than columns")
+            r = np.linalg.cholesky(heads.transpose(0, 2, 1) @ heads).transpose(0, 2, 1)  # [Hq, d, d], R^T R = W^T W
+        except np.linalg.LinAlgError:
+            r = np.linalg.qr(heads, mode="r")  # [Hq, min(d, D), d]
     return np.ascontiguousarray(r.transpose(1, 0, 2).reshape(r.shape[1], ld), dtype=np.float32)
 
 
 _FACTORS: dict[tuple[int, int], tuple[weakref.ref, np.ndarray]] = {}  # (id(wo), Hq) -> (wo, its factor)
 _FACTORS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def one_blas_thread():
+    """numpy's BLAS on the calling thread alone while inside (threadpoolctl), one caller at a time (the limit is the
+    process's). An event's layers are planned on worker threads; BLAS's own threads, woken by a product this small,
+    then spin for a while after it and take a core from them (an 8K SmolLM2 prefill's scoring measured 0.15 s
+    slower with them: docs/engine.md § L2 value norms)."""
+    with _BLAS_LOCK, threadpool_limits(1, user_api="blas"):
+        yield
+
+
+_BLAS_LOCK = threading.Lock()
 
 
 def shared_l2_factor(wo: np.ndarray, n_head: int) -> np.ndarray:
