@@ -125,9 +125,9 @@ def test_page_boxes_are_each_pages_min_and_max_across_pieces():
         kernels.page_boxes(keys, 0, page, kmin[:1], kmax[:1])
 
 
-def random_layer(rng, *, votes_given=False, half_values=False):
+def random_layer(rng, *, votes_given=False, half_values=False, half_keys=False):
     """A layer of random size (cells in shuffled order, empty rows, merged rows' bias, some norms known);
-    ``half_values``: its values an F16 cache's cells ``[n, Hkv, d]``, seen as ``[Hkv, n, d]``."""
+    ``half_values``/``half_keys``: its values/keys an F16 cache's cells ``[n, Hkv, d]``, seen as ``[Hkv, n, d]``."""
     from kvlocal.compress import LayerInputs
 
     hkv, group, d = int(rng.integers(1, 4)), int(rng.choice([1, 3, 7])), 16
@@ -146,6 +146,8 @@ def random_layer(rng, *, votes_given=False, half_values=False):
     vnorm[rng.random(vnorm.shape) < (0.05 if votes_given else 0.6)] = np.nan
     if half_values:
         v = v.transpose(1, 0, 2).astype(np.float16).transpose(1, 0, 2)
+    if half_keys:
+        k = k.transpose(1, 0, 2).astype(np.float16).transpose(1, 0, 2)
     extra = dict(k=k, v=v)
     if votes_given:  # the native backend's inputs: votes from the device, K/V stay there
         extra = dict(k=None, v=None, votes=kernels.window_votes(q[:, -8:], q_pos[-8:], k, pos, bias))
@@ -154,13 +156,14 @@ def random_layer(rng, *, votes_given=False, half_values=False):
                        recent=None if rng.random() < 0.6 else int(rng.integers(0, 12)), bias=bias, vnorm=vnorm, **extra)
 
 
-@pytest.mark.parametrize("inputs", ["host", "half values", "votes given"])
+@pytest.mark.parametrize("inputs", ["host", "half values", "half keys and values", "votes given"])
 def test_attention_keep_is_the_scorers_keep(inputs):
     # kvl_attention_keep (SnapKV's and CriticalKV's keep() in one call) against the numpy scorers it replaces:
     # the same kept cells (max pooling makes plateaus: ties go to the later position in both), the same
     # norms written back (and, where a few are computed, those of stage 1's and the window's rows, exact), the
     # same refusal where a norm is needed and the rows are not on the host; an F16 cache's values, converted
-    # only where a norm is computed, give the norms of the values converted whole
+    # only where a norm is computed, give the norms of the values converted whole; its keys, converted as the
+    # votes read them, the cells of the keys converted whole (the numpy steps get float32 keys)
     import copy
 
     from kvlocal.compress import CriticalKV, Scorer, SnapKV
@@ -170,12 +173,15 @@ def test_attention_keep_is_the_scorers_keep(inputs):
     rng = np.random.default_rng(11 + votes_given)
     refused = more = 0
     for case in range(150):
-        layer = random_layer(rng, votes_given=votes_given, half_values=inputs == "half values")
+        layer = random_layer(rng, votes_given=votes_given, half_values=inputs.startswith("half"),
+                             half_keys=inputs == "half keys and values")
         snap = SnapKV(window_size=8, kernel_size=int(rng.choice([1, 7])), pooling=str(rng.choice(["max", "avg"])))
         critical = CriticalKV(snap, first_stage_ratio=float(rng.choice([0.5, 0.3])), value_norm=("l1", "l2")[case % 2])
         for scorer in (snap, critical):
             budget = int(rng.integers(0, layer.n + 3))
             mine, theirs = copy.deepcopy(layer), copy.deepcopy(layer)
+            if theirs.k is not None:
+                theirs.k = theirs.k.astype(np.float32)
             try:
                 want = Scorer.keep(scorer, theirs, budget)  # the numpy steps
             except ValueError as e:

@@ -47,6 +47,19 @@ def test_window_votes_matches_numpy(level, hkv, group, w, n, d):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("n,d", [(200, 64), (33, 7), (1, 3)])
+def test_window_votes_of_an_f16_caches_cells_are_those_of_its_keys_in_float32(level, n, d):
+    """Keys given as an F16 cache's cells ([n, Hkv, d] half floats, seen as [Hkv, n, d]) are converted as the kernel
+    reads them: the same bits as the keys converted to float32 first (sizes not a whole register block of keys, and
+    head sizes not a whole vector, included)."""
+    q, q_pos, k, pos, b = window_case(n * d, 3, 2, 5, n, d, bias=True, per_head_pos=True)
+    cells = k.transpose(1, 0, 2).astype(np.float16)  # as the cache holds them
+    got = kernels.window_votes(q, q_pos, cells.transpose(1, 0, 2), pos, b)
+    want = kernels.window_votes(q, q_pos, cells.transpose(1, 0, 2).astype(np.float32), pos, b)
+    np.testing.assert_array_equal(got, want)
+    assert got.any()
+
+
 def test_window_votes_bias_per_head_positions_and_empty_cells(level):
     q, q_pos, k, pos, b = window_case(7, 2, 3, 6, 45, 8, bias=True, per_head_pos=True)
     pos = pos.copy()

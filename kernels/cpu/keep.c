@@ -20,7 +20,8 @@
  *   4. the top b (ties to the later position), in position order, right-aligned in `width` slots.
  *
  * The values come as float32 rows [n_kv][n][d], or (v16, v NULL) as an F16 cache's cells [n][n_kv][d], of which
- * only the rows that need a norm are converted: most of a recall swap's rows bring their norms along. */
+ * only the rows that need a norm are converted: most of a recall swap's rows bring their norms along. The keys
+ * likewise (k16, k NULL): the window votes convert them block by block as they read them. */
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=off") /* (s + eps) * norm as numpy rounds it: two float operations */
@@ -83,12 +84,13 @@ static int vnorm_f16_rows(const unsigned short * v16, int n_kv, int g, int d, co
 }
 
 int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, int n_head, int w,
-                       const float * k, const float * v, const unsigned short * v16, const int * pos, const float * bias, int n_kv, int n, int d,
+                       const float * k, const unsigned short * k16, const float * v, const unsigned short * v16,
+                       const int * pos, const float * bias, int n_kv, int n, int d,
                        int n_sink, int recent, int kernel, int pool_kind,
                        const float * wo, int ld, int D, int norm_p, double alpha, float eps, float * vnorm,
                        const int * budget, int max_width, int * keep, int * width) {
     if (n_head <= 0 || n_kv <= 0 || n_head % n_kv != 0 || w < 0 || n < 0 || d <= 0 || kernel < 1 || kernel % 2 == 0 ||
-        (!votes && (!q || !k)) || (wo && (ld < n_head * d || D <= 0 || (norm_p != 1 && norm_p != 2)))) {
+        (!votes && (!q || !k == !k16)) || (wo && (ld < n_head * d || D <= 0 || (norm_p != 1 && norm_p != 2)))) {
         return -1;
     }
     const int group = n_head / n_kv;
@@ -106,7 +108,7 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
         goto done;
     }
     if (!votes) {
-        if (kvl_window_votes_f32(q, q_pos, n_head, w, k, pos, bias, n_kv, n, d, own) != 0) {
+        if (kvl_window_votes_f32(q, q_pos, n_head, w, k, k16, pos, bias, n_kv, n, d, own) != 0) {
             rc = -1;
             goto done;
         }

@@ -24,8 +24,10 @@ void kvl_top_marked(const float * x, const int * order, int n, int k, unsigned l
  * optional additive logit bias [n_kv, n] (NULL = 0). Query head h reads KV head h / (n_head / n_kv).
  * Writes out [n_head, n]: for each query head, the mean over the w queries of softmax_j(q.k_j / sqrt(d)
  * + bias_j) in float32, where a query at p sees only keys with 0 <= pos <= p; a query that sees no key
- * contributes zeros. Returns 0, or -1 on bad sizes or when out of memory. */
-int kvl_window_votes_f32(const float * q, const int * q_pos, int n_head, int w, const float * k, const int * pos, const float * bias, int n_kv, int n, int d, float * out);
+ * contributes zeros. The keys come as float32 k (k16 NULL) or, k NULL, as k16: an F16 cache's cells [n][n_kv][d]
+ * (IEEE half floats), converted exactly as they are read. Returns 0, or -1 on bad sizes (neither or both of k and
+ * k16 given) or when out of memory. */
+int kvl_window_votes_f32(const float * q, const int * q_pos, int n_head, int w, const float * k, const unsigned short * k16, const int * pos, const float * bias, int n_kv, int n, int d, float * out);
 
 /* Projected value norms (CriticalKV) of one KV head. v [n, d] values; wo the output projection in HF
  * layout (o_proj.weight [D, Hq*d], row stride ld floats), pointing at the first column of the n_group
@@ -58,14 +60,14 @@ int kvl_gather_rows(const unsigned char * const * chunks, long long n_chunks, lo
 
 /* One layer's kept cells under SnapKV (vnorm NULL) or CriticalKV over SnapKV (kernels/cpu/keep.c has the steps):
  * the scorers' keep() in one call. votes [n_head, n] the window votes, or NULL to compute them from q [n_head,
- * w, d] and k [n_kv, n, d] (kvl_window_votes_f32); q_pos [w] the window queries' positions; pos [n_kv, n] (-1
+ * w, d] and k [n_kv, n, d] or k16 (kvl_window_votes_f32's); q_pos [w] the window queries' positions; pos [n_kv, n] (-1
  * = empty row), bias [n_kv, n] or NULL; recent < 0: the window is pos >= min(q_pos), else the `recent` latest
  * positions; vnorm [n_kv, n] the projected value norms (NaN = unknown: computed from v [n_kv, n, d] and
  * wo [D, ld], HF o_proj layout, as kvl_vnorm_f32's norm_p-norm, where stage 2 needs them, and written there; with v NULL, from v16, an F16
  * cache's cells [n][n_kv][d], converted row by row where needed). budget [n_kv]: each head keeps min(budget, live rows). Writes
  * keep [n_kv, max_width]: each head's cells in position order in its last slots, -1 before; *width: the most
  * any head keeps. Returns 0, -1 on bad sizes or out of memory, -2 when a norm is needed and v, v16 or wo is NULL. */
-int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, int n_head, int w, const float * k, const float * v, const unsigned short * v16, const int * pos, const float * bias, int n_kv, int n, int d, int n_sink, int recent, int kernel, int pool_kind, const float * wo, int ld, int D, int norm_p, double alpha, float eps, float * vnorm, const int * budget, int max_width, int * keep, int * width);
+int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, int n_head, int w, const float * k, const unsigned short * k16, const float * v, const unsigned short * v16, const int * pos, const float * bias, int n_kv, int n, int d, int n_sink, int recent, int kernel, int pool_kind, const float * wo, int ld, int D, int norm_p, double alpha, float eps, float * vnorm, const int * budget, int max_width, int * keep, int * width);
 
 /* The recall tier's candidates of one KV head (kernels/cpu/pages.c): q [m, d] the observation queries (in the
  * keys' basis, scaled), kmin/kmax [ceil(n / page), d] each page's element-wise key bounds, on_device [n] (1: the

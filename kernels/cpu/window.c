@@ -4,7 +4,9 @@
  * block's keys ([n/step][d][step], zero-padded; written in order, since scattered stores cost as much as the
  * products), so that vector lanes run over keys: a block of 4 query rows x 2 vectors of keys is accumulated in
  * registers (no horizontal sums), the 4 rows of logits are masked, exponentiated and normalised in
- * place in a small scratch, and added to the window mean. No [Hq, w, n] array is ever built. */
+ * place in a small scratch, and added to the window mean. No [Hq, w, n] array is ever built. Keys may come as an
+ * F16 cache's cells (k16): each block's rows are converted (exactly, F16C where the CPU has it) as they are
+ * transposed, instead of the whole cache being converted to float32 first. */
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=fast")
@@ -24,9 +26,9 @@
 #include "instances.h"
 
 int kvl_window_votes_f32(const float * q, const int * q_pos, int n_head, int w,
-                         const float * k, const int * pos, const float * bias, int n_kv, int n, int d,
-                         float * out) {
-    if (n_head <= 0 || n_kv <= 0 || n_head % n_kv != 0 || w < 0 || n < 0 || d <= 0) {
+                         const float * k, const unsigned short * k16, const int * pos, const float * bias, int n_kv,
+                         int n, int d, float * out) {
+    if (n_head <= 0 || n_kv <= 0 || n_head % n_kv != 0 || w < 0 || n < 0 || d <= 0 || (!k == !k16)) {
         return -1;
     }
     if (w == 0 || n == 0) {
@@ -35,10 +37,10 @@ int kvl_window_votes_f32(const float * q, const int * q_pos, int n_head, int w,
     }
 #if KVL_X86_DISPATCH
     switch (kvl_simd_active()) {
-        case 2: return window_votes_avx512(q, q_pos, n_head, w, k, pos, bias, n_kv, n, d, out);
-        case 1: return window_votes_avx2(q, q_pos, n_head, w, k, pos, bias, n_kv, n, d, out);
+        case 2: return window_votes_avx512(q, q_pos, n_head, w, k, k16, pos, bias, n_kv, n, d, out);
+        case 1: return window_votes_avx2(q, q_pos, n_head, w, k, k16, pos, bias, n_kv, n, d, out);
         default: break;
     }
 #endif
-    return window_votes_generic(q, q_pos, n_head, w, k, pos, bias, n_kv, n, d, out);
+    return window_votes_generic(q, q_pos, n_head, w, k, k16, pos, bias, n_kv, n, d, out);
 }

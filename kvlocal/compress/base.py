@@ -57,8 +57,9 @@ class LayerInputs:
     Parameters
     ----------
     k, v : np.ndarray or None
-        ``[Hkv, n, d]`` float32 keys (after RoPE) and values of the ``n`` cells, in cell order (``v`` may be
-        float16, an F16 cache's rows: exact, a scorer converts the rows it reads). None
+        ``[Hkv, n, d]`` float32 keys (after RoPE) and values of the ``n`` cells, in cell order (either may be
+        float16, an F16 cache's rows: exact, a scorer converts the rows it reads — the kernels read such keys
+        and values as the cache's cells, with no float32 copy of the layer). None
         where they stay on the device (the native backend): then ``votes`` and ``pos`` ``[Hkv, n]``
         are given, for CriticalKV every ``vnorm`` it ranks, and ``rows`` brings the rows a scorer reads
         (:meth:`take`, :meth:`loaded`).

@@ -23,6 +23,21 @@ def _ptr(a: np.ndarray, ctype: str):
     return ffi.cast(ctype, ffi.from_buffer(a))
 
 
+def _nullable(a: np.ndarray | None, ctype: str):
+    return ffi.NULL if a is None else _ptr(a, ctype)
+
+
+def f16_cells(rows: np.ndarray | None) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Rows ``[H, n, d]`` for a kernel that reads float32 rows or an F16 cache's cells: ``(float32 rows, None)``, or
+    ``(None, the cells [n, H, d] float16, C-contiguous)`` for half floats (a view of the cache's cells as it holds
+    them, not copied; other half-float layouts copied into it). The kernels convert the cells they read, exactly."""
+    if rows is None:
+        return None, None
+    if rows.dtype != np.float16:
+        return np.ascontiguousarray(rows, dtype=np.float32), None
+    return None, np.ascontiguousarray(rows.transpose(1, 0, 2))
+
+
 def pool1d(x: np.ndarray, kernel: int, kind: str = "max") -> np.ndarray:
     """Stride-1 'same' pooling along the last axis (max, or avg counting zero padding)."""
     if kernel < 1 or kernel % 2 == 0:
@@ -59,16 +74,17 @@ def window_votes(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, pos: np.ndarra
     ``kvlocal.compress.numpy_kernels.window_votes``.
     """
     q = np.ascontiguousarray(q, dtype=np.float32)
-    k = np.ascontiguousarray(k, dtype=np.float32)
-    (hq, w, d), (hkv, n, dk) = q.shape, k.shape
+    k, k16 = f16_cells(k)
+    (hq, w, d), (hkv, n, dk) = q.shape, np.shape(k if k16 is None else k16.transpose(1, 0, 2))
     if dk != d or hq % hkv != 0:
-        raise ValueError(f"q {q.shape} and k {k.shape} do not match (head dims, or Hq not a multiple of Hkv)")
+        raise ValueError(f"q {q.shape} and k {(hkv, n, dk)} do not match (head dims, or Hq not a multiple of Hkv)")
     qp = _i32(q_pos).reshape(w)
     p = _i32(np.broadcast_to(pos, (hkv, n)))
     b = None if bias is None else np.ascontiguousarray(np.broadcast_to(bias, (hkv, n)), dtype=np.float32)
     out = np.empty((hq, n), dtype=np.float32)
-    rc = lib.kvl_window_votes_f32(_ptr(q, "float *"), _ptr(qp, "int *"), hq, w, _ptr(k, "float *"), _ptr(p, "int *"),
-                                  ffi.NULL if b is None else _ptr(b, "float *"), hkv, n, d, _ptr(out, "float *"))
+    rc = lib.kvl_window_votes_f32(_ptr(q, "float *"), _ptr(qp, "int *"), hq, w, _nullable(k, "float *"),
+                                  _nullable(k16, "unsigned short *"), _ptr(p, "int *"), _nullable(b, "float *"),
+                                  hkv, n, d, _ptr(out, "float *"))
     if rc != 0:
         raise MemoryError("kvl_window_votes_f32 failed (out of memory)")
     return out
@@ -255,10 +271,9 @@ def attention_keep(votes, q, q_pos, k, v, pos, bias, *, n_sink: int, recent: int
     qp = _i32(q_pos).reshape(-1)
     p = _i32(pos)
     f32 = (lambda a: None if a is None else np.ascontiguousarray(a, dtype=np.float32))
-    v16 = None
-    if v is not None and v.dtype == np.float16:  # the cells [n, Hkv, d] as the cache holds them
-        v16, v = np.ascontiguousarray(v.transpose(1, 0, 2)), None
-    votes, q, k, v, bias, wo = (f32(a) for a in (votes, q, k, v, bias, wo))
+    k, k16 = f16_cells(k)  # half floats: the cells [n, Hkv, d] as the cache holds them
+    v, v16 = f16_cells(v)
+    votes, q, bias, wo = (f32(a) for a in (votes, q, bias, wo))
     vn = None if vnorm is None else (vnorm if vnorm.flags.c_contiguous else np.ascontiguousarray(vnorm))
     budgets = np.full(hkv, max(int(budget), 0), dtype=np.int32)
     max_width = min(max(int(budget), 0), n)
@@ -268,8 +283,8 @@ def attention_keep(votes, q, q_pos, k, v, pos, bias, *, n_sink: int, recent: int
     def ptr(a, ctype="float *"):
         return ffi.NULL if a is None else _ptr(a, ctype)
 
-    rc = lib.kvl_attention_keep(ptr(votes), ptr(q), _ptr(qp, "int *"), hq, w, ptr(k), ptr(v),
-                                ptr(v16, "unsigned short *"), _ptr(p, "int *"),
+    rc = lib.kvl_attention_keep(ptr(votes), ptr(q), _ptr(qp, "int *"), hq, w, ptr(k), ptr(k16, "unsigned short *"),
+                                ptr(v), ptr(v16, "unsigned short *"), _ptr(p, "int *"),
                                 ptr(bias), hkv, n, d, n_sink, -1 if recent is None else recent, kernel,
                                 POOL_KINDS[pooling], ptr(wo), wo.shape[1] if wo is not None else 0,
                                 wo.shape[0] if wo is not None else 0, norm_p, alpha, np.float32(epsilon), ptr(vn),

@@ -23,10 +23,12 @@ class StateBackend(KVBackend):
     def layer_inputs(self, read: CacheRead, q, q_pos, *, n_sink: int, recent: int, window_size=None):
         kv, basis, bias = read.kv, self.basis, read.bias
         for i, il in enumerate(self.layers):  # i: index in the compressed cache, il: the model's layer
-            v = kv.v[i].transpose(1, 0, 2)
+            k, v = kv.k[i].transpose(1, 0, 2), kv.v[i].transpose(1, 0, 2)
             yield LayerInputs(
-                k=basis.keys(kv.k[i].transpose(1, 0, 2)),  # [Hkv, n, d] float32, in the stored basis
-                # as the model computed them; an F16 cache's as they are (the scorers convert the rows they read)
+                # [Hkv, n, d], in the stored basis: an F16 cache's as they are (views of its cells: the scorers
+                # convert the rows they read), a quantized cache's decoded to float32
+                k=k if k.dtype == np.float16 and basis.k_codec is None else basis.keys(k),
+                # as the model computed them; an F16 cache's as they are
                 v=v if v.dtype == np.float16 and basis.v_codec is None else basis.values(v),
                 pos=read.true[i],  # [Hkv, n], -1 for the empty rows of a head
                 q=basis.queries(q[i]),  # in the keys' basis
