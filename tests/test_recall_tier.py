@@ -225,3 +225,32 @@ def test_page_candidates_are_the_numpy_steps():
         np.testing.assert_array_equal(got, want)
         checked += len(want) > 0
     assert checked > 20
+
+
+def test_bench_tier_stores_every_row_of_its_events(capsys):
+    # tools/bench_tier (the tier's storing of an event's evicted rows, timed) runs and prints its figure, and what it
+    # times is the tier's own add, once per head and event with every row
+    import re
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tools import bench_tier
+
+    seen = []
+    real = HostTier.add
+
+    def counted(self, layer, head, pos, *a):
+        seen.append((layer, head, len(pos)))
+        return real(self, layer, head, pos, *a)
+
+    HostTier.add = counted
+    try:
+        reserve, add = bench_tier.run(layers=2, heads=3, rows=40, events=3, d=D)
+    finally:
+        HostTier.add = real
+    assert sorted(seen) == sorted((l, h, 40) for l in range(2) for h in range(3) for _ in range(3))
+    assert reserve >= 0 and add > 0
+    bench_tier.main(["--layers", "2", "--heads", "2", "--rows", "20", "--events", "2", "--repeat", "1",
+                     "--head-dim", str(D)])
+    assert re.search(r"storing \d+\.\d+ ms an event", capsys.readouterr().out)
