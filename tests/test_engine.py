@@ -322,6 +322,8 @@ def reference_layer(x: LayerInputs, engine_rule: bool):
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    """||a - b|| / ||b||, in float64 (an F16 cache's rows squared and summed in float16 overflow)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 

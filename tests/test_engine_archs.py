@@ -216,7 +216,12 @@ def random_keeper(plan: Plan, rng):
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    """||a - b|| / ||b||, in float64 (an F16 cache's rows squared and summed in float16 overflow: NaN, which a
+    max() or min() of errors would then skip); never NaN."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    assert np.isfinite(err), err
+    return err
 
 
 def scorer_inputs(eng: RecordingEngine, ref, at_event: dict, method: str) -> dict:
@@ -233,7 +238,7 @@ def scorer_inputs(eng: RecordingEngine, ref, at_event: dict, method: str) -> dic
         assert (x.n_sink, x.recent, x.layer) == (N_SINK, WINDOW, il)
         np.testing.assert_array_equal(x.pos_h, ev.held[j])
         layer = at_event["cache"][il]
-        k, v = np.empty_like(x.k), np.empty_like(x.v)
+        k, v = np.empty(x.k.shape, np.float32), np.empty(x.v.shape, np.float32)  # the reference's, as it holds them
         for h in range(x.n_kv):
             index = {int(p): i for i, p in enumerate(layer.pos[h].numpy())}
             rows = [index[int(p)] for p in x.pos_h[h]]

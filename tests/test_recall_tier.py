@@ -125,6 +125,23 @@ def test_memory_cap_drops_what_does_not_fit_and_counts_it():
     assert t.heads[0][0].n == CHUNK and t.dropped_rows == 15 and t.pool.ram_bytes == CHUNK * row
 
 
+def test_ram_chunks_come_from_slabs_no_larger_than_the_cap():
+    # chunks are cut from slabs (fewer page faults), each chunk its own bytes; a slab never holds more address space
+    # than the cap leaves, and without a cap chunks share a slab
+    from kvlocal.recall.tier import Pool
+
+    size = 1000
+    capped = Pool(mem_limit=3 * size + 10)
+    chunks = [capped.alloc(size) for _ in range(3)]
+    assert capped.ram_bytes == 3 * size and capped._slab.nbytes <= capped.mem_limit
+    for i, c in enumerate(chunks):
+        c[:] = i
+    assert [int(c[0]) for c in chunks] == [0, 1, 2] and all((c == i).all() for i, c in enumerate(chunks))
+    free = Pool()
+    a, b = free.alloc(size), free.alloc(size)
+    assert a.base is b.base is not None and free.ram_bytes == 2 * size
+
+
 def test_spill_file_takes_what_ram_does_not(tmp_path):
     rng = np.random.default_rng(4)
     t = tier(n_layer=1, hkv=1, mem_limit=CHUNK * 2 * D * 2, spill_dir=tmp_path)

@@ -82,11 +82,13 @@ class Pool:
         return np.frombuffer(m, dtype=np.uint8, count=nbytes, offset=off)
 
     def _from_slab(self, nbytes: int) -> np.ndarray:
-        """RAM for a chunk, cut from a slab of ``SLAB`` bytes: numpy asks the kernel for huge pages for a buffer that
-        large, so the first writes to a slab's chunks fault a few times instead of once per 4 KiB page. A slab is
-        only address space until written: ``ram_bytes`` counts the chunks handed out."""
+        """RAM for a chunk (counted in ``ram_bytes`` already), cut from a slab of up to ``SLAB`` bytes: numpy asks the
+        kernel for huge pages for a buffer that large, so the first writes to a slab's chunks fault a few times
+        instead of once per 4 KiB page. A slab is only address space until written, and never larger than what
+        ``mem_limit`` leaves: ``ram_bytes`` counts the chunks handed out."""
         if nbytes > len(self._slab) - self._slab_used:
-            self._slab, self._slab_used = np.empty(max(SLAB, nbytes), dtype=np.uint8), 0
+            room = SLAB if self.mem_limit is None else min(SLAB, nbytes + self.mem_limit - self.ram_bytes)
+            self._slab, self._slab_used = np.empty(max(room, nbytes), dtype=np.uint8), 0
         out = self._slab[self._slab_used:self._slab_used + nbytes]
         self._slab_used += nbytes
         return out
