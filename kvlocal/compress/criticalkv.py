@@ -65,8 +65,8 @@ _FACTORS_LOCK = threading.Lock()
 def one_blas_thread():
     """numpy's BLAS on the calling thread alone while inside (threadpoolctl), one caller at a time (the limit is the
     process's). An event's layers are planned on worker threads; BLAS's own threads, woken by a product this small,
-    then spin for a while after it and take a core from them (an 8K SmolLM2 prefill's scoring measured 0.15 s
-    slower with them: docs/engine.md § L2 value norms)."""
+    then spin for a while after it and take a core from them (docs/engine.md § the tier's storing, BLAS's threads
+    and half-float keys)."""
     with _BLAS_LOCK, threadpool_limits(1, user_api="blas"):
         yield
 

@@ -68,7 +68,8 @@ def window_votes(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, pos: np.ndarra
     """Mean over the window queries of their softmax over the keys, per query head: ``[Hq, n]`` float32.
 
     q: [Hq, w, d] queries after RoPE at positions q_pos [w]; k: [Hkv, n, d] keys after RoPE at positions
-    pos ([n], or [Hkv, n] when heads differ), in any cell order; bias: optional [Hkv, n] logit bias.
+    pos ([n], or [Hkv, n] when heads differ), in any cell order — float32, or float16 (an F16 cache's cells
+    ``[n, Hkv, d]`` seen as ``[Hkv, n, d]``: read in place, :func:`f16_cells`); bias: optional [Hkv, n] logit bias.
     Logits ``q·k/sqrt(d) + bias`` in float32; a query at ``p`` sees keys with ``0 <= pos <= p``; query head
     ``h`` reads KV head ``h // (Hq/Hkv)``. The result is in cell order. Readable numpy version:
     ``kvlocal.compress.numpy_kernels.window_votes``.
@@ -263,8 +264,9 @@ def attention_keep(votes, q, q_pos, k, v, pos, bias, *, n_sink: int, recent: int
     protected recent span (None: the cells at or after the first window query). vnorm ``[Hkv, n]`` float32,
     NaN where unknown: the norms stage 2 needs are computed from v and wo (``[D, Hq*d]``, or its factor for
     ``norm_p=2``: :func:`vnorm`) as ``norm_p``-norms and written into
-    it; v may be float16 (an F16 cache's rows, a ``[Hkv, n, d]`` view of its cells ``[n, Hkv, d]``): then only the
-    rows that need a norm are converted. ``budget``: each head keeps ``min(budget, live rows)``."""
+    it; k and v may be float16 (an F16 cache's rows, ``[Hkv, n, d]`` views of its cells ``[n, Hkv, d]``): then the
+    keys are converted as the votes read them, and only the value rows that need a norm. ``budget``: each head
+    keeps ``min(budget, live rows)``."""
     hkv, n = pos.shape
     hq, w = (votes.shape[0], len(q_pos)) if votes is not None else q.shape[:2]
     d = q.shape[2] if q is not None else (k.shape[2] if k is not None else 1)
