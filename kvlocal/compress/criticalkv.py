@@ -61,6 +61,9 @@ _FACTORS: dict[tuple[int, int], tuple[weakref.ref, np.ndarray]] = {}  # (id(wo),
 _FACTORS_LOCK = threading.Lock()
 
 
+_BLAS_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def one_blas_thread():
     """numpy's BLAS on the calling thread alone while inside (threadpoolctl), one caller at a time (the limit is the
@@ -69,9 +72,6 @@ def one_blas_thread():
     and half-float keys)."""
     with _BLAS_LOCK, threadpool_limits(1, user_api="blas"):
         yield
-
-
-_BLAS_LOCK = threading.Lock()
 
 
 def shared_l2_factor(wo: np.ndarray, n_head: int) -> np.ndarray:

@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 
 from kvlocal.compress import LayerInputs, Plan
+from kvlocal.compress.plan import cell_rows
 from kvlocal.runtime.backend import CacheRead, KVBackend, RowRecord
 from kvlocal.runtime.state import read_seq, write_seq
 
@@ -43,10 +44,7 @@ class StateBackend(KVBackend):
             )
 
     def take_rows(self, read: CacheRead, l: int, cells: np.ndarray, heads: np.ndarray):
-        rows = np.asarray(cells) * self.n_head_kv + np.asarray(heads)  # (cell, head) as a row of [n * Hkv, ...]
-        k, v = read.kv.k[l], read.kv.v[l]
-        return (np.take(k.reshape(-1, *k.shape[2:]), rows, axis=0),
-                np.take(v.reshape(-1, *v.shape[2:]), rows, axis=0))
+        return cell_rows(read.kv.k[l], cells, heads), cell_rows(read.kv.v[l], cells, heads)
 
     def extend(self, read: CacheRead, m: int):
         """The new cells join the host copy without a position of their own (-1). The union's rows are
