@@ -125,6 +125,27 @@ def test_page_boxes_are_each_pages_min_and_max_across_pieces():
         kernels.page_boxes(keys, 0, page, kmin[:1], kmax[:1])
 
 
+def test_transpose16_moves_every_element_as_bits():
+    # an F16 V cache stored transposed (no flash attention) is turned into cell rows and back at every event: the
+    # kernel's 8 x 8 tiles and its edges, strided rows on both sides, and bit patterns numpy's float16 would not
+    # compare equal (NaN payloads, -0) come out as numpy's transpose gives them; nothing outside out is written
+    rng = np.random.default_rng(5)
+    for rows, cols in [(1, 1), (7, 9), (8, 8), (16, 24), (192, 1400), (13, 64), (64, 3), (0, 5)]:
+        src = rng.integers(0, 1 << 16, (rows, cols + 5), dtype=np.uint16)[:, 2:cols + 2]  # rows 5 elements apart
+        np.testing.assert_array_equal(kernels.transpose16(src), src.T)
+        wide = np.full((cols, rows + 3), 7, np.uint16)
+        got = kernels.transpose16(src.view(np.float16), wide[:, 1:rows + 1].view(np.float16))
+        assert got.dtype == np.float16
+        np.testing.assert_array_equal(wide[:, 1:rows + 1], src.T)
+        assert (wide[:, 0] == 7).all() and (wide[:, rows + 1:] == 7).all()
+    with pytest.raises(ValueError):
+        kernels.transpose16(np.zeros((4, 4), np.float32))
+    with pytest.raises(ValueError):
+        kernels.transpose16(np.zeros((4, 4), np.uint16)[:, ::2])
+    with pytest.raises(ValueError):
+        kernels.transpose16(np.zeros((4, 6), np.uint16), np.zeros((4, 6), np.uint16))
+
+
 def random_layer(rng, *, votes_given=False, half_values=False, half_keys=False):
     """A layer of random size (cells in shuffled order, empty rows, merged rows' bias, some norms known);
     ``half_values``/``half_keys``: its values/keys an F16 cache's cells ``[n, Hkv, d]``, seen as ``[Hkv, n, d]``."""

@@ -8,6 +8,7 @@ fills) the comparison is by KL divergence and top-1 agreement, next to an exact 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import numpy as np
@@ -15,7 +16,8 @@ import pytest
 
 from kvlocal.errors import UsageError
 from kvlocal.runtime import Context
-from kvlocal.runtime.seqstate import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, SeqKV, build_blob, parse_blob
+from kvlocal.runtime.seqstate import (GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, SeqKV, blob_rows, build_blob,
+                                      parse_blob)
 from kvlocal.runtime.state import get_blob, read_seq, write_seq
 
 GGML_TYPE_Q8_0 = 8
@@ -129,6 +131,42 @@ def test_write_seq_builds_the_blob_in_the_buffer_it_is_given(smollm2_model, toke
         np.testing.assert_array_equal(buf[:asked[-1]], build_blob(kv.select(kv.pos >= lo)))
     assert len(asked) == 2 and asked[1] < asked[0] and (buf[asked[0]:] == 0xAB).all()
     assert same_rows(read_seq(ctx), read_seq(twin))
+
+
+@pytest.mark.parametrize("cache", [dict(flash_attn=True), dict(flash_attn=False),
+                                   dict(flash_attn=True, type_k=GGML_TYPE_Q8_0, type_v=GGML_TYPE_Q8_0),
+                                   dict(flash_attn=True, type_k=GGML_TYPE_BF16, type_v=GGML_TYPE_BF16)],
+                         ids=["f16", "f16-transposed-v", "q8_0", "bf16"])
+def test_rows_written_into_blob_rows_are_the_blobs_rows(smollm2_model, tokens, cache):
+    # the state backend gathers an event's rows straight into the blob's K and V sections (blob_rows): building the
+    # blob over them then leaves them where they are, and it is the blob of the same cells given as copies; where
+    # the stored bytes are not the arrays' own (a transposed V, BF16) there is no such place
+    m = smollm2_model
+    kv = read_seq(make_ctx(m, tokens, n=40, n_ctx=64, **cache))
+    sub = kv.select(kv.pos % 3 != 1)
+    rng = np.random.default_rng(3)
+    sub.bias = [rng.normal(size=(sub.n, m.n_head_kv)).astype(np.float32) for _ in range(sub.n_layer)]
+    buf = np.full(4 * kv.blob.size, 0xAB, np.uint8)
+    asked = []
+
+    def alloc(nbytes):
+        asked.append(nbytes)
+        return buf[:nbytes]
+
+    rows = blob_rows(kv, sub.n, alloc)
+    bf16 = kv.k_type == GGML_TYPE_BF16
+    assert [r is None for r in rows] == [bf16, bf16 or kv.v_trans]
+    ref = build_blob(sub)
+    for placed, given in zip(rows, (sub.k, sub.v)):
+        for a, b in zip(placed or [], given):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            a[:] = b
+            at = a.ctypes.data - buf.ctypes.data  # where the rows lie is where the blob has them
+            np.testing.assert_array_equal(buf[at:at + a.nbytes], ref[at:at + a.nbytes])
+    blob = build_blob(dataclasses.replace(sub, k=rows[0] or sub.k, v=rows[1] or sub.v), alloc=alloc)
+    assert blob.ctypes.data == buf.ctypes.data and asked[1] <= asked[0]  # the first ask covers the bias section
+    np.testing.assert_array_equal(blob, ref)
+    assert blob_rows(kv, 0, alloc) == (None, None)
 
 
 # -- (2) eviction = llama_memory_seq_rm -----------------------------------------------------------
@@ -458,3 +496,37 @@ def test_a_cache_type_kvlocal_cannot_rewrite_is_a_clear_error(smollm2_model, tok
     ctx = make_ctx(smollm2_model, tokens, n=20, n_ctx=64, type_k=20, type_v=20, flash_attn=True)  # IQ4_NL
     with pytest.raises(UsageError, match=r"compression with a IQ4_NL KV cache is not supported: use f16, q8_0"):
         read_seq(ctx)
+
+
+def test_bench_state_times_a_read_and_the_plan_it_applies(smollm2_model, monkeypatch):
+    # tools/bench_state (the state backend's round trip at an event, timed) reads the cells it was given, applies a
+    # plan that leaves each head its kept rows, and loads the cells back before the next repeat
+    import sys
+    from pathlib import Path
+
+    from kvlocal.runtime import StateBackend
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tools import bench_state
+
+    reads, applied = [], []
+    real_read, real_apply = StateBackend.read, StateBackend.apply
+
+    def read(self):
+        r = real_read(self)
+        reads.append(r.n)
+        return r
+
+    def apply(self, r, plan):
+        k = [a.copy() for a in r.kv.k]
+        real_apply(self, r, plan)
+        after = read_seq(self.ctx)
+        for il, layer in enumerate(plan.keep):
+            for h, cells in enumerate(layer):
+                np.testing.assert_array_equal(after.k[il][:, h], k[il][cells, h])
+        applied.append(after.n)
+
+    monkeypatch.setattr(StateBackend, "read", read)
+    monkeypatch.setattr(StateBackend, "apply", apply)
+    t_read, t_apply = bench_state.run(smollm2_model, cells=90, keep=50, repeat=3, threads=2)
+    assert reads == [90] * 3 and applied == [50] * 3 and t_read > 0 and t_apply > 0

@@ -48,6 +48,12 @@ int kvl_greedy_pairs(const int * order, int m, int n_pairs, unsigned char * take
  * dst [n_head][n][d] float32. Exact; F16C where the CPU has it (and kvl_simd_level allows AVX2). */
 void kvl_f16_heads_f32(const unsigned short * src, int n, int n_head, int d, float * dst);
 
+/* dst[c][r] = src[r][c] for r < rows, c < cols: 16-bit elements (an F16 V cache stored transposed) moved as
+ * bits; rows of src are src_stride elements apart, rows of dst dst_stride. 8 x 8 tiles in SSE2 registers on
+ * x86-64, plain C elsewhere. src and dst must not overlap. */
+void kvl_transpose_u16(const unsigned short * src, long long src_stride, int rows, int cols,
+                       unsigned short * dst, long long dst_stride);
+
 /* Quantized rows to float32: n_blocks blocks of 32 values of ggml type `type` (8 q8_0, 2 q4_0, 3 q4_1,
  * 6 q5_0, 7 q5_1) from src into dst [n_blocks * 32], as ggml's to_float computes them (same bits).
  * Returns 0, or -1 for another type. */

@@ -38,6 +38,25 @@ def f16_cells(rows: np.ndarray | None) -> tuple[np.ndarray | None, np.ndarray | 
     return None, np.ascontiguousarray(rows.transpose(1, 0, 2))
 
 
+def transpose16(src: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``src.T`` of a 2-D array of 16-bit elements (rows may be strided, each row contiguous) as a C-contiguous
+    array, or written into ``out`` (``[cols, rows]``, each row contiguous): bits moved, not converted."""
+    def rows_ok(a):  # 16-bit elements, each row contiguous (strides of an empty array mean nothing)
+        contiguous = (a.shape[1] == 1 or a.strides[1] == 2) and a.strides[0] % 2 == 0
+        return a.dtype.itemsize == 2 and (a.size == 0 or contiguous)
+
+    rows, cols = src.shape
+    if not rows_ok(src):
+        raise ValueError(f"transpose16 takes 16-bit rows, each contiguous; got {src.dtype} strides {src.strides}")
+    out = np.empty((cols, rows), src.dtype) if out is None else out
+    if out.shape != (cols, rows) or not rows_ok(out):
+        raise ValueError(f"transpose16: out {out.shape} {out.dtype} strides {out.strides} cannot hold {src.shape}.T")
+    if src.size:
+        lib.kvl_transpose_u16(ffi.cast("unsigned short *", src.ctypes.data), src.strides[0] // 2, rows, cols,
+                              ffi.cast("unsigned short *", out.ctypes.data), out.strides[0] // 2)
+    return out
+
+
 def pool1d(x: np.ndarray, kernel: int, kind: str = "max") -> np.ndarray:
     """Stride-1 'same' pooling along the last axis (max, or avg counting zero padding)."""
     if kernel < 1 or kernel % 2 == 0:

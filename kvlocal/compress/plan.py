@@ -242,7 +242,7 @@ class Plan:
         empty = {"slots": np.zeros(0, np.int64)}
         return heads if heads is not None else [empty] * self.n_kv
 
-    def materialize(self, k, v, counts_in=None, k_codec=None, v_codec=None, dtype=np.float32):
+    def materialize(self, k, v, counts_in=None, k_codec=None, v_codec=None, dtype=np.float32, out=None):
         """The rows the cells get: ``(k_out, v_out, counts_out, bias_out)``.
 
         k, v: per layer ``[n, Hkv, d]`` source rows (cell-major, as the state backend reads them; float16
@@ -254,13 +254,17 @@ class Plan:
         (float32) and the value ``Σ c_i v_i / Σ c_i`` (count-weighted mean: the cache stores means with a
         ``log(count)`` bias, equivalent to AsymKV's summed values, see kvlocal/reference/cache.py) and
         count ``Σ c_i``; an empty slot gets zeros. ``counts_out`` equals :attr:`counts` when ``counts_in``
-        are the counts the scorers saw (``LayerInputs.counts``).
+        are the counts the scorers saw (``LayerInputs.counts``). ``out``: ``(k, v)``, per layer arrays (of the sources'
+        dtypes, ``dtype=None``) to fill instead of new ones — or None for new ones — e.g. where the cache's blob
+        takes them.
 
         Rows of a quantized cache: k and v hold each head's raw bytes (uint8 ``[n, Hkv, bytes]``) and
         ``k_codec``/``v_codec`` (:class:`~kvlocal.runtime.kvquant.RowCodec`) decode them. Plain slots then
         copy the bytes (no added error; the outputs stay uint8), merged ones are combined from the decoded
         rows and quantized again; zero bytes are a zero row in every such format.
         """
+        if out is not None and dtype is not None:
+            raise ValueError("materialize(out=...) fills arrays of the sources' dtypes: pass dtype=None")
         n_layer, hkv, width = self.keep.shape
         heads = np.arange(hkv)[:, None]
         k_out, v_out = [], []
@@ -271,7 +275,8 @@ class Plan:
             keep = self.keep[il]
             filled = keep >= 0
             idx = np.maximum(keep, 0)
-            ko, vo = cell_rows(kl, idx.T, heads.T), cell_rows(vl, idx.T, heads.T)  # [width, Hkv, ...]
+            ko, vo = (cell_rows(a, idx.T, heads.T, None if dst is None else dst[il])  # [width, Hkv, ...]
+                      for a, dst in zip((kl, vl), out or (None, None)))
             if dtype is not None:
                 ko = ko if k_codec else ko.astype(dtype, copy=False)
                 vo = vo if v_codec else vo.astype(dtype, copy=False)
@@ -357,11 +362,13 @@ def _merges_json(head: dict) -> dict:
     return out
 
 
-def cell_rows(a: np.ndarray, cells, heads) -> np.ndarray:
+def cell_rows(a: np.ndarray, cells, heads, out: np.ndarray | None = None) -> np.ndarray:
     """Rows ``a[cells, heads]`` of cell-major rows ``a`` ``[n, Hkv, ...]`` (``cells``, ``heads``: index arrays that
     broadcast together; the result has their shape, then a row's), as one ``np.take`` of ``[n * Hkv, ...]`` rows — a
-    fraction of what numpy's indexing by two arrays costs at an event's sizes."""
-    return np.take(a.reshape(-1, *a.shape[2:]), np.asarray(cells) * a.shape[1] + np.asarray(heads), axis=0)
+    fraction of what numpy's indexing by two arrays costs at an event's sizes. ``out``: the array to write them
+    into (``np.take`` would gather into a temporary first if it checked the indices: they are in range here)."""
+    rows = np.asarray(cells) * a.shape[1] + np.asarray(heads)
+    return np.take(a.reshape(-1, *a.shape[2:]), rows, axis=0, out=out, mode="raise" if out is None else "wrap")
 
 
 def merge_rows(m: dict, k: np.ndarray, v: np.ndarray, counts: np.ndarray, k_codec=None, v_codec=None):

@@ -11,6 +11,7 @@ import numpy as np
 from kvlocal.compress import LayerInputs, Plan
 from kvlocal.compress.plan import cell_rows
 from kvlocal.runtime.backend import CacheRead, KVBackend, RowRecord
+from kvlocal.runtime.seqstate import blob_rows
 from kvlocal.runtime.state import read_seq, write_seq
 
 
@@ -66,7 +67,12 @@ class StateBackend(KVBackend):
         """Write the plan's rows into the cells: kept rows as they are, merged ones combined
         (:meth:`Plan.materialize`), each with its bias (``log(count)``, ``-inf`` for an empty slot)."""
         kv = read.kv
-        k, v, counts, bias = plan.materialize(kv.k, kv.v, read.count, self.basis.k_codec, self.basis.v_codec, dtype=None)
+        buffer = lambda nbytes: self.scratch.take("blob", (nbytes,), np.uint8)  # kept between events (see below)
+        # the plan's rows are gathered straight into the blob's K and V sections where the cache stores them as
+        # they are (F16, F32, quantized bytes; not a transposed V): write_seq then copies no row
+        out = blob_rows(kv, plan.keep.shape[2], buffer)
+        k, v, counts, bias = plan.materialize(kv.k, kv.v, read.count, self.basis.k_codec, self.basis.v_codec,
+                                              dtype=None, out=out)
         record = RowRecord.after(plan, read, counts)
         # no bias section at all while every slot holds one plain token
         cell_bias = [b.T for b in bias] if np.any(counts != 1) else None
@@ -75,6 +81,6 @@ class StateBackend(KVBackend):
         layer_f32 = 2 * read.n * self.n_head_kv * self.head_dim * 4  # one layer's K and V while scoring
         # the blob is built in a buffer kept between events (a fresh one of 10-30 MB cost ~1 ms a MiB in page faults)
         write_seq(self.ctx, dataclasses.replace(kv, pos=record.pos.astype(np.int32), k=k, v=v, blob=None, bias=cell_bias),
-                  previous=kv.blob, alloc=lambda nbytes: self.scratch.take("blob", (nbytes,), np.uint8))
+                  previous=kv.blob, alloc=buffer)
         self.record = record
         self._count_host(blob + written, max(blob + layer_f32, blob + written))

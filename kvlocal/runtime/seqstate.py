@@ -10,6 +10,7 @@ from typing import Callable
 import numpy as np
 
 from kvlocal.errors import UsageError
+from kvlocal.compress.kernels import transpose16
 from kvlocal.runtime.kvquant import codec, type_name
 
 SEQ_STATE_MAGIC = 0xAF143CD8
@@ -268,7 +269,8 @@ def _parse(buf: np.ndarray, n_layer: int, n_head_kv: int, swa: bool = False, has
                 raise _Malformed(f"n_embd_v_gqa {n_embd_v} does not split into {n_head_kv} heads")
             raw = r.array(np.uint8, n * n_embd_v * el)
             vt = _rows_to_array(raw, t, n_embd_v, 1).reshape(n_embd_v, n)  # [element, cell]
-            v_list.append(np.ascontiguousarray(vt.T).reshape(n, n_head_kv, n_embd_v // n_head_kv))
+            cells = transpose16(vt) if vt.dtype.itemsize == 2 else np.ascontiguousarray(vt.T)
+            v_list.append(cells.reshape(n, n_head_kv, n_embd_v // n_head_kv))
     has_bias = r.scalar("<u4") if has_bias_section else 0
     if has_bias not in (0, 1):
         raise _Malformed(f"attention bias flag {has_bias}")
@@ -285,7 +287,10 @@ def _parse(buf: np.ndarray, n_layer: int, n_head_kv: int, swa: bool = False, has
 
 
 def _put_rows(dst: np.ndarray, a: np.ndarray, t: int) -> None:
-    """Write [n, ...] values (raw bytes for a quantized type) as rows of ggml type t into the uint8 view dst."""
+    """Write [n, ...] values (raw bytes for a quantized type) as rows of ggml type t into the uint8 view dst
+    (nothing to do where ``a`` already is those bytes: :func:`blob_rows`)."""
+    if _placed(a, dst, t):
+        return
     if t not in _ARRAY_DTYPE:
         dst[:] = np.reshape(a, -1)
     elif t == GGML_TYPE_BF16:
@@ -298,6 +303,45 @@ def _put_rows(dst: np.ndarray, a: np.ndarray, t: int) -> None:
         dst.view("<u2")[:] = r
     else:
         dst.view(_ARRAY_DTYPE[t]).reshape(np.shape(a)[0], -1)[:] = np.reshape(a, (np.shape(a)[0], -1))
+
+
+def _placed(a, dst: np.ndarray, t: int) -> bool:
+    """Whether array ``a`` is the bytes of uint8 view ``dst`` already, as rows of type t."""
+    return (isinstance(a, np.ndarray) and a.flags.c_contiguous and a.nbytes == dst.nbytes
+            and a.dtype == (_ARRAY_DTYPE[t] if t in _ARRAY_DTYPE and t != GGML_TYPE_BF16 else np.uint8)
+            and a.__array_interface__["data"][0] == dst.__array_interface__["data"][0])
+
+
+def _row_sections(n: int, ext: bool, k_rows: list[int], v_rows: list[int]) -> tuple[list[int], list[int], int]:
+    """Where an n-cell blob's K and V rows begin (per layer, after the layer's 12-byte header), and the offset
+    after them (the bias section's): rows of ``k_rows[l]``/``v_rows[l]`` bytes."""
+    off = 16 + n * (_META_EXT if ext else _META_PLAIN).itemsize + 8
+    k_at, v_at = [], []
+    for rows, at in ((k_rows, k_at), (v_rows, v_at)):
+        for row in rows:
+            at.append(off + 12)
+            off += 12 + n * row
+    return k_at, v_at, off
+
+
+def blob_rows(like: SeqKV, n: int, alloc: Callable[[int], np.ndarray]) -> tuple[list | None, list | None]:
+    """Per layer K and V arrays ``[n, n_head_kv, ...]`` of ``like``'s dtypes and row shapes, lying where
+    :func:`build_blob` puts an n-cell blob's rows in the buffer ``alloc(nbytes)`` gives (asked once for the
+    largest such blob, bias section included): rows written into them are in place, and ``build_blob`` of a
+    SeqKV holding them, built in a buffer that ``alloc`` gives at the same address, copies none of them. K's or
+    V's are None where the stored rows are not an array's bytes (BF16, a transposed V); both where there is no
+    cell or a sliding-window cache's bytes follow (``build_blob`` appends them to a new buffer)."""
+    if n == 0 or like.tail is not None:
+        return None, None
+    k_fmt, v_fmt = ([(a.shape[1:], _ARRAY_DTYPE.get(t, np.dtype(np.uint8))) for a in arrays]
+                    for arrays, t in ((like.k, like.k_type), (like.v, like.v_type)))
+    k_rows, v_rows = ([int(np.prod(shape)) * _elem_bytes(t) for shape, _ in fmt]
+                      for fmt, t in ((k_fmt, like.k_type), (v_fmt, like.v_type)))
+    k_at, v_at, end = _row_sections(n, like.ext is not None, k_rows, v_rows)
+    buf = alloc(end + 4 + 4 * n * sum(int(np.prod(a.shape[1:-1])) for a in like.k))  # + every layer's bias
+    placed = (like.k_type != GGML_TYPE_BF16, like.v_type != GGML_TYPE_BF16 and not like.v_trans)
+    return tuple([buf[at:at + n * row].view(dt).reshape(n, *shape) for at, row, (shape, dt) in zip(ats, rows, fmt)]
+                 if ok else None for ok, ats, rows, fmt in zip(placed, (k_at, v_at), (k_rows, v_rows), (k_fmt, v_fmt)))
 
 
 def build_blob(kv: SeqKV, pos: np.ndarray | None = None, bias: bool = True,
@@ -313,11 +357,10 @@ def build_blob(kv: SeqKV, pos: np.ndarray | None = None, bias: bool = True,
     meta_dt = _META_EXT if kv.ext is not None else _META_PLAIN
     size = 12 + 4
     if n:
-        size += n * meta_dt.itemsize + 8
         k_rows = [int(np.prod(np.shape(a)[1:])) * _elem_bytes(kv.k_type) for a in kv.k]
         v_rows = [int(np.prod(np.shape(a)[1:])) * _elem_bytes(kv.v_type) for a in kv.v]
-        size += sum(12 + n * r for r in k_rows)
-        size += sum(12 + n * r for r in v_rows)  # i32 type + u64 row bytes, or i32 type + u32 elem + u32 n_embd
+        # (a layer's header: i32 type + u64 row bytes, or i32 type + u32 elem + u32 n_embd)
+        size = _row_sections(n, kv.ext is not None, k_rows, v_rows)[2]
         size += (4 if bias else 0) + (0 if kv.bias is None else sum(4 * int(np.size(b)) for b in kv.bias))
     buf = alloc(size) if alloc is not None and kv.tail is None else np.empty(size, dtype=np.uint8)
     off = 0
@@ -360,9 +403,13 @@ def build_blob(kv: SeqKV, pos: np.ndarray | None = None, bias: bool = True,
             put("<u4", n_embd_v)
             if kv.v_type == GGML_TYPE_BF16:
                 _put_rows(buf[off : off + n * row], np.reshape(a, (n, n_embd_v)).T, kv.v_type)
-            else:  # [element, cell]: one strided copy from [cell, element]
+            else:  # [element, cell] from [cell, element]
                 dst = buf[off : off + n * row].view(_ARRAY_DTYPE[kv.v_type]).reshape(n_embd_v, n)
-                dst[:] = np.reshape(a, (n, n_embd_v)).T
+                cells = np.reshape(a, (n, n_embd_v))
+                if cells.dtype == dst.dtype == np.float16:
+                    transpose16(np.ascontiguousarray(cells), dst)
+                else:
+                    dst[:] = cells.T
         off += n * row
     if bias:
         put("<u4", 0 if kv.bias is None else 1)
