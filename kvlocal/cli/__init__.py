@@ -7,7 +7,6 @@ prints as one line and turns into exit code 2 — no traceback, nothing half-wri
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import sys
 
@@ -247,9 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # llama.cpp and torch each bring an OpenMP runtime; spinning idle threads of one starve the other
-    # (measured: 2x slower decode, 10x slower reference on a busy 2-core machine)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # OpenMP's wait policy is left to the user (the OMP_WAIT_POLICY variable): ggml's threads meet at a barrier after
+    # every op, and threads that sleep there instead of spinning a moment made decoding 2.3x slower in a bounded cache
+    # (docs/engine.md § OpenMP's idle threads). Only `verify`, which runs torch's OpenMP beside ggml's, asks for
+    # PASSIVE (kvlocal.cli.verify.run).
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

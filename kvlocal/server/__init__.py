@@ -118,7 +118,6 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvlocal.server``: the same command outside the ``kvlocal`` CLI."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as kvlocal.cli.main
     p = argparse.ArgumentParser(prog="kvlocal serve", description="An OpenAI-compatible chat server in a bounded KV cache.")
     add_arguments(p)
     args = p.parse_args(argv)
