@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     # OpenMP's wait policy is left to the user (the OMP_WAIT_POLICY variable): ggml's threads meet at a barrier after
-    # every op, and threads that sleep there instead of spinning a moment made decoding 2.3x slower in a bounded cache
+    # every op, and threads that sleep there instead of spinning a moment made decoding 2.2-2.7x slower in a bounded cache
     # (docs/engine.md § OpenMP's idle threads). Only `verify`, which runs torch's OpenMP beside ggml's, asks for
     # PASSIVE (kvlocal.cli.verify.run).
     parser = build_parser()
