@@ -9,8 +9,8 @@ from typing import Callable
 
 import numpy as np
 
-from kvlocal.errors import UsageError
 from kvlocal.compress.kernels import transpose16
+from kvlocal.errors import UsageError
 from kvlocal.runtime.kvquant import codec, type_name
 
 SEQ_STATE_MAGIC = 0xAF143CD8
