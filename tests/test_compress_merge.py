@@ -453,6 +453,33 @@ def test_materialize_rows_counts_and_bias():
     assert n_merged > 30
 
 
+def test_materialize_into_given_arrays_is_materialize():
+    # the state backend has the plan's rows gathered straight into the blob llama.cpp loads (out=): the same rows,
+    # merged and empty slots included, in the arrays given, and a row outside the cells refused, not wrapped around
+    from kvlocal.compress.plan import cell_rows
+
+    plan, layers = merge_plan(seed=4, empty=10, merged=True, budget=55)
+    k, v = cell_major(layers)
+    k16 = [x.astype(np.float16) for x in k]
+    counts_in = np.stack([layer.counts for layer in layers])
+    want = plan.materialize(k16, v, counts_in, dtype=None)
+    out = ([np.full_like(a, 7) for a in want[0]], [np.full_like(a, 7) for a in want[1]])
+    got = plan.materialize(k16, v, counts_in, dtype=None, out=out)
+    for mine, theirs, given in zip(got[:2], want[:2], out):
+        assert all(a is b for a, b in zip(mine, given))
+        for a, b in zip(mine, theirs):
+            np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(got[2], want[2])
+    with pytest.raises(ValueError, match="dtype=None"):
+        plan.materialize(k16, v, counts_in, out=out)
+    n = k16[0].shape[0]
+    for bad in (n, -1):
+        with pytest.raises(IndexError):
+            cell_rows(k16[0], np.array([[0, bad]]), np.array([[0, 1]]), out=np.empty((1, 2, 16), np.float16))
+        with pytest.raises(IndexError):
+            cell_rows(k16[0], np.array([[0, bad if bad > 0 else -10 * n]]), np.array([[0, 1]]))
+
+
 def reference_cache(plan, il, k_out, v_out, counts, bias) -> LayerKV:
     """Layer ``il`` of a materialized plan as a reference cache (each head's rows at their source positions)."""
     return LayerKV(k=torch.from_numpy(k_out[il].transpose(1, 0, 2).copy()),

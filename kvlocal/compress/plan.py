@@ -366,9 +366,14 @@ def cell_rows(a: np.ndarray, cells, heads, out: np.ndarray | None = None) -> np.
     """Rows ``a[cells, heads]`` of cell-major rows ``a`` ``[n, Hkv, ...]`` (``cells``, ``heads``: index arrays that
     broadcast together; the result has their shape, then a row's), as one ``np.take`` of ``[n * Hkv, ...]`` rows — a
     fraction of what numpy's indexing by two arrays costs at an event's sizes. ``out``: the array to write them
-    into (``np.take`` would gather into a temporary first if it checked the indices: they are in range here)."""
+    into (checked here, as ``np.take`` would check them only by gathering into a temporary first: 3x the time)."""
     rows = np.asarray(cells) * a.shape[1] + np.asarray(heads)
-    return np.take(a.reshape(-1, *a.shape[2:]), rows, axis=0, out=out, mode="raise" if out is None else "wrap")
+    flat = a.reshape(-1, *a.shape[2:])
+    if out is None:
+        return np.take(flat, rows, axis=0)
+    if rows.size and (rows.min() < 0 or rows.max() >= len(flat)):
+        raise IndexError(f"cell_rows: a row outside the {a.shape[0]} cells x {a.shape[1]} heads")
+    return np.take(flat, rows, axis=0, out=out, mode="wrap")
 
 
 def merge_rows(m: dict, k: np.ndarray, v: np.ndarray, counts: np.ndarray, k_codec=None, v_codec=None):
