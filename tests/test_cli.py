@@ -30,11 +30,15 @@ def test_the_cli_and_server_leave_openmps_wait_policy_to_the_user(monkeypatch, c
     import kvlocal.server
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert kvlocal.cli.main(["doctor"]) in (0, 1)
+    assert kvlocal.cli.main(["pull", "--list"]) == 0
     with pytest.raises(SystemExit):
         kvlocal.server.main(["--help"])
     capsys.readouterr()
     assert "OMP_WAIT_POLICY" not in os.environ
+    # and a user who set PASSIVE is told what it costs
+    told = run_cli("doctor", env={"OMP_WAIT_POLICY": "passive"}).stdout
+    assert "OMP_WAIT_POLICY=PASSIVE: ggml's threads sleep" in told
+    assert "openmp" not in run_cli("doctor", env={"OMP_WAIT_POLICY": "active"}).stdout
 
 
 def test_doctor_reports_patched_runtime_and_model(smollm2):

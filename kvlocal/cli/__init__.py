@@ -7,6 +7,7 @@ prints as one line and turns into exit code 2 — no traceback, nothing half-wri
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 
@@ -53,6 +54,9 @@ def cmd_doctor(args) -> int:
         rows.append(("torch", f"{torch.__version__} (reference path, `kvlocal verify`)"))
     except ImportError:
         rows.append(("torch", "not installed: `kvlocal verify` needs `pip install 'kvlocal[reference]'`"))
+    if os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive":  # (docs/engine.md § OpenMP's idle threads)
+        rows.append(("openmp", "OMP_WAIT_POLICY=PASSIVE: ggml's threads sleep between ops, decoding 2-3x slower; "
+                               "unset it unless other work needs the cores"))
     models = cached_models()
     rows.append(("models", f"{cache_dir() / 'models'} ({len(models)})"))
     for name, path, size in models:
