@@ -82,13 +82,12 @@ class Pool:
         return np.frombuffer(m, dtype=np.uint8, count=nbytes, offset=off)
 
     def _from_slab(self, nbytes: int) -> np.ndarray:
-        """RAM for a chunk (counted in ``ram_bytes`` already), cut from a slab of up to ``SLAB`` bytes: numpy asks the
-        kernel for huge pages for a buffer that large, so the first writes to a slab's chunks fault a few times
-        instead of once per 4 KiB page. A slab is only address space until written, and never larger than what
-        ``mem_limit`` leaves: ``ram_bytes`` counts the chunks handed out."""
+        """RAM for a chunk (counted in ``ram_bytes`` already), cut from a slab of up to ``SLAB`` bytes
+        (:func:`_slab`). A slab is never larger than what ``mem_limit`` leaves: ``ram_bytes`` counts the chunks
+        handed out, the rest of the last slab waits for the next ones."""
         if nbytes > len(self._slab) - self._slab_used:
             room = SLAB if self.mem_limit is None else min(SLAB, nbytes + self.mem_limit - self.ram_bytes)
-            self._slab, self._slab_used = np.empty(max(room, nbytes), dtype=np.uint8), 0
+            self._slab, self._slab_used = _slab(max(room, nbytes)), 0
         out = self._slab[self._slab_used:self._slab_used + nbytes]
         self._slab_used += nbytes
         return out
@@ -410,6 +409,19 @@ class HostTier:
         self.heads[layer][head].on_device[ids] = on_device
         if on_device:
             self.rows_in += len(ids)
+
+
+def _slab(nbytes: int) -> np.ndarray:
+    """``nbytes`` of RAM the tier's rows are about to be written to, its pages mapped in one system call
+    (``MAP_POPULATE``) where the platform has it: the first writes to fresh memory otherwise fault once per 4 KiB
+    page, or stall while the kernel assembles a huge page (numpy advises huge pages for arrays of 4 MiB and more).
+    On SmolLM2's 8K prefill the tier's ~27 slabs faulted for ~0.25 s of the ~0.35 s its storing took
+    (docs/engine.md § the tier's memory, mapped at once)."""
+    flags = getattr(mmap, "MAP_POPULATE", None)
+    if flags is None:
+        return np.empty(nbytes, dtype=np.uint8)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flags)
+    return np.frombuffer(m, dtype=np.uint8)  # the array keeps the map alive; its views, the array
 
 
 def _grown(a: np.ndarray, n: int) -> np.ndarray:

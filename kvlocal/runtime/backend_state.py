@@ -70,7 +70,10 @@ class StateBackend(KVBackend):
         buffer = lambda nbytes: self.scratch.take("blob", (nbytes,), np.uint8)  # kept between events (see below)
         # the plan's rows are gathered straight into the blob's K and V sections where the cache stores them as
         # they are (F16, F32, quantized bytes; not a transposed V): write_seq then copies no row
-        out = blob_rows(kv, plan.keep.shape[2], buffer)
+        width = plan.keep.shape[2]
+        out = blob_rows(kv, width, buffer)
+        if out[0] is not None and out[1] is None:  # a transposed V (no flash attention): gathered into scratch rows
+            out = out[0], [self.scratch.take(("v_out", i), (width, *a.shape[1:]), a.dtype) for i, a in enumerate(kv.v)]
         k, v, counts, bias = plan.materialize(kv.k, kv.v, read.count, self.basis.k_codec, self.basis.v_codec,
                                               dtype=None, out=out)
         record = RowRecord.after(plan, read, counts)
