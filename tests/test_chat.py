@@ -4,6 +4,7 @@ process, every refusal), Ctrl-C semantics, and a chat that runs past the trained
 from __future__ import annotations
 
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -100,6 +101,15 @@ def test_ctrl_c_while_reading_leaves_the_chat_as_it_was(smollm2_model):
             chat.read(PROSE[:6000], progress=interrupt)
         assert chat.messages == [] and chat.stats.tokens_seen == 0 and chat.stats.compression_events == 0
         assert chat.ask("Say hello.", 12) == expected
+
+
+def test_the_status_line_shows_a_dash_for_a_rate_not_measured_yet(smollm2_model):
+    # a document read before any reply has a prompt rate and no generation rate: "gen – t/s", not "gen 0 t/s"
+    with Chat(smollm2_model, budget=256) as chat:
+        chat.read(PROSE[:2000])
+        assert re.search(r"\[ prompt [\d,]+ t/s \| gen – t/s \| KV ", chat.status_line()), chat.status_line()
+        chat.ask("Say hello.", 6)
+        assert re.search(r"\[ prompt [\d,]+ t/s \| gen [\d,]+ t/s \| KV ", chat.status_line()), chat.status_line()
 
 
 def test_a_reply_stopped_early_stays_in_the_chat(smollm2_model):

@@ -30,7 +30,7 @@ from pathlib import Path
 from conftest import REPO
 
 STEP = 240  # seconds one step may take: 2 slow shared cores
-STATUS = re.compile(r"\[ prompt [\d,]+ t/s \| gen [\d,]+ t/s \| KV ([\d,]+) of ([\d,]+) tokens kept · [\d,]+ MiB "
+STATUS = re.compile(r"\[ prompt (?:[\d,]+|–) t/s \| gen (?:[\d,]+|–) t/s \| KV ([\d,]+) of ([\d,]+) tokens kept · [\d,]+ MiB "
                     r"\(full: [\d,]+ MiB\)[^\]\n]*\]")
 # readline's prompt, waiting at the end of stdout (after a line, or the tty's echo of a Ctrl-C whose
 # message went to stderr)

@@ -341,10 +341,11 @@ class Chat:
 
     def status_line(self) -> str:
         """llama-cli's kind of summary: ``[ prompt 312 t/s | gen 41 t/s | KV 1,843 of 18,430 tokens kept ·
-        22 MiB (full: 216 MiB) ]``."""
+        22 MiB (full: 216 MiB) ]``; a rate not measured yet (nothing generated so far) is a dash."""
         s = self.stats
         mib = 2**20
-        return (f"[ prompt {s.prompt_tokens_per_s:,.0f} t/s | gen {s.gen_tokens_per_s:,.0f} t/s | KV {s.kv_tokens_kept:,} of "
+        prompt, gen = (f"{r:,.0f}" if r else "–" for r in (s.prompt_tokens_per_s, s.gen_tokens_per_s))
+        return (f"[ prompt {prompt} t/s | gen {gen} t/s | KV {s.kv_tokens_kept:,} of "
                 f"{s.tokens_seen:,} tokens kept · {s.kv_bytes / mib:,.0f} MiB (full: {s.kv_bytes_full / mib:,.0f} MiB)"
                 + (f" · recall tier {s.host_tier_bytes / mib:,.0f} MiB" if s.host_tier_bytes else "")
                 + (f" · positions moved ×{s.repositions}" if s.repositions else "") + " ]")
