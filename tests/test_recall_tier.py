@@ -294,3 +294,33 @@ def test_bench_tier_stores_every_row_of_its_events(capsys):
                      "--head-dim", str(D)])
     out = capsys.readouterr().out
     assert re.search(r"first tier .* storing +\d+\.\d+", out) and re.search(r"best of 1 more .* storing +\d+\.\d+", out)
+
+
+@pytest.mark.parametrize("shuffled", [False, True], ids=["cells in position order", "positions out of order"])
+def test_evicted_rows_are_the_device_rows_a_plan_drops_in_position_order(shuffled):
+    # what an event sends to the tier: every device row the plan does not keep (not the empty ones, not rows that came
+    # from the tier for the event), per layer grouped by head, each head's in rising position — whether the cells hold
+    # rising positions (after a compaction) or not (a recall union: the tier's candidates after the device's cells)
+    from types import SimpleNamespace
+
+    from kvlocal.recall.select import evicted
+
+    rng = np.random.default_rng(8)
+    n_layer, hkv, n, width = 3, 2, 40, 25
+    true = np.stack([np.stack([rng.permutation(1000)[:n] if shuffled else np.sort(rng.permutation(1000)[:n])
+                               for _ in range(hkv)]) for _ in range(n_layer)])
+    true[rng.random(true.shape) < 0.1] = -1  # empty rows
+    tier_ids = np.where(rng.random(true.shape) < 0.2, rng.integers(0, 50, true.shape), -1)
+    keep = np.stack([np.stack([np.where(rng.random(width) < 0.2, -1, np.sort(rng.choice(n, width, replace=False)))
+                               for _ in range(hkv)]) for _ in range(n_layer)])
+    for ids in (tier_ids, None):
+        got = evicted(SimpleNamespace(true=true, tier_ids=ids), SimpleNamespace(keep=keep, n_layer=n_layer))
+        assert len(got) == n_layer
+        for l, (cells, heads) in enumerate(got):
+            assert np.all(np.diff(heads) >= 0)
+            for h in range(hkv):
+                kept = set(keep[l, h][keep[l, h] >= 0].tolist())
+                want = [c for c in range(n) if true[l, h, c] >= 0 and c not in kept and (ids is None or ids[l, h, c] < 0)]
+                mine = cells[heads == h]
+                assert sorted(mine.tolist()) == want
+                assert np.all(np.diff(true[l, h, mine]) > 0)

@@ -115,12 +115,19 @@ def _from_tier(read) -> np.ndarray:
 def evicted(read, plan) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per compressed layer, the device rows ``plan`` drops from the cells of ``read`` (tier rows it does
     not keep are not evicted: they never left the tier): ``(cells, heads)``, each head's in position order."""
-    gone = (read.true >= 0) & ~_from_tier(read)  # the device's rows, less those the plan keeps: every layer at once
-    l, h, j = np.nonzero(plan.keep >= 0)
-    gone[l, h, plan.keep[l, h, j]] = False
-    layers, heads, cells = np.nonzero(gone)
-    order = np.lexsort((read.true[layers, heads, cells], heads, layers))
-    layers, heads, cells = layers[order], heads[order], cells[order]
+    true = read.true
+    n_layer, hkv, n = true.shape
+    gone = ((true >= 0) & ~_from_tier(read)).reshape(-1)  # the device's rows, less those the plan keeps: flat
+    keep = plan.keep.reshape(n_layer * hkv, -1)
+    gone[(np.arange(n_layer * hkv)[:, None] * n + keep)[keep >= 0]] = False
+    rows = np.flatnonzero(gone)  # in (layer, head, cell) order
+    head_of, pos = rows // n, true.reshape(-1)[rows]
+    # a head's cells hold rising positions after any compaction and prefill chunk: sort only where they do not
+    # (a recall union's candidates follow the device cells)
+    if len(rows) > 1 and not np.all((np.diff(pos) > 0) | (np.diff(head_of) > 0)):
+        order = np.lexsort((pos, head_of))
+        rows, head_of = rows[order], head_of[order]
+    cells, heads, layers = rows % n, head_of % hkv, head_of // hkv
     ends = np.searchsorted(layers, np.arange(plan.n_layer + 1))
     return [(cells[a:b], heads[a:b]) for a, b in zip(ends[:-1], ends[1:])]
 
