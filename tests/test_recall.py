@@ -8,6 +8,7 @@ cache, with recall off and StreamingLLM as the controls that must lose."""
 from __future__ import annotations
 
 import random
+import re
 import resource
 import signal
 import subprocess
@@ -389,3 +390,17 @@ def test_profile_recall_times_every_part_of_a_swap(smollm2):
              "evicted", "tier add")
     assert all(rows.get(p, 0) > 0 for p in parts), r.stdout  # each part ran in the 3 swaps
     assert "3 steps, 3 swapped" in r.stdout.splitlines()[0], r.stdout
+
+
+def test_profile_prefill_times_every_part_of_an_event(smollm2):
+    """tools/profile_prefill (where a prompt's compression events spend their time, with their page faults) runs on
+    the engine as it is, times each part it names, and its engine breakdown is the one `kvlocal bench` reports."""
+    r = subprocess.run([sys.executable, "-m", "tools.profile_prefill", str(smollm2), "--tokens", "900", "-t", "1"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    head, _, *table = r.stdout.splitlines()
+    events = int(re.search(r"in (\d+) events: observe [\d.]+, read [\d.]+, score [\d.]+, apply [\d.]+", head)[1])
+    calls = {line[:20].strip(): int(line.split()[-2]) for line in table if line.strip()}
+    assert events > 1 and all(calls.get(p) == events for p in ("_compress", "_plan", "_apply", "kv.read", "kv.apply",
+                                                                "get_blob", "set_blob", "store_evicted")), r.stdout
+    assert calls["tier add"] > 0 and all(int(line.split()[-1].replace(",", "")) >= 0 for line in table), r.stdout

@@ -6,7 +6,8 @@
 Reads ``--tokens`` of ``kvlocal bench``'s text with recall on (CriticalKV, budget 0.1), asks its question, then
 decodes ``--steps`` answer tokens, each re-selecting the cache with its own query (``--step-confidence 1``,
 the default here: every step swaps, so every step is a sample). Each part of a swap is timed by wrapping the
-engine's and the tier's functions with a wall clock; the table gives milliseconds per swap (parts nest:
+engine's and the tier's functions with a wall clock and the process's page-fault count (``tools.parts``); the
+table gives milliseconds and minor page faults per swap (parts nest:
 ``_reselect`` holds ``with_candidates``, ``_plan`` and ``_apply``; the layers are planned on threads, so a part
 inside the plan is not timed separately). With ``--step-confidence`` below 1, ``_recall_step`` and ``_observe``
 also hold the decodes of the steps that kept theirs (divided by the swaps all the same). Figures of one run on one
@@ -16,15 +17,13 @@ machine: compare parts with each other, or two runs made side by side.
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
-import time
 
 from kvlocal.cli.bench import QUESTION, long_text
 from kvlocal.engine import Engine
 from kvlocal.models import resolve
 from kvlocal.recall.tier import HeadStore, HostTier
 from kvlocal.runtime import Model
+from tools.parts import Parts
 import kvlocal.engine.engine as engine_module
 import kvlocal.engine.reselect as reselect_module
 
@@ -32,22 +31,6 @@ ENGINE_PARTS = ("_recall_step", "_observe", "_reselect", "_read", "_plan", "_app
 # the module-level functions a swap calls, by the module that calls them (wrapped where they are looked up)
 MODULE_PARTS = ((reselect_module, ("choose_candidates", "with_candidates")),
                 (engine_module, ("evicted", "store_evicted")))
-
-
-def timed(seconds: dict, calls: collections.Counter, owner, name: str, label: str) -> None:
-    """Replace ``owner.name`` by a wrapper that adds its wall time to ``seconds[label]``."""
-    f = getattr(owner, name)
-
-    @functools.wraps(f)
-    def wrapper(*a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return f(*a, **kw)
-        finally:
-            seconds[label] += time.perf_counter() - t0
-            calls[label] += 1
-
-    setattr(owner, name, wrapper)
 
 
 def main() -> None:
@@ -67,17 +50,13 @@ def main() -> None:
     eng.prefill(long_text(model, args.tokens))
     eng.append(question, probe=question, recall=True)
 
-    seconds: dict = collections.defaultdict(float)
-    calls: collections.Counter = collections.Counter()
-    for name in ENGINE_PARTS:
-        timed(seconds, calls, Engine, name, name)
+    parts = Parts()
+    parts.wrap_each(Engine, ENGINE_PARTS)
     for module, names in MODULE_PARTS:
-        for name in names:
-            timed(seconds, calls, module, name, name)
-    for name in ("extend", "apply", "take_rows"):
-        timed(seconds, calls, type(eng.kv), name, f"kv.{name}")
-    timed(seconds, calls, HeadStore, "rows_into", "tier rows_into")
-    timed(seconds, calls, HostTier, "add", "tier add")
+        parts.wrap_each(module, names)
+    parts.wrap_each(type(eng.kv), ("extend", "apply", "take_rows"), "kv.")
+    parts.wrap(HeadStore, "rows_into", "tier rows_into")
+    parts.wrap(HostTier, "add", "tier add")
     for _ in eng.generate(args.steps, stop_at_eog=False):
         pass
 
@@ -85,9 +64,10 @@ def main() -> None:
     swaps = max(1, s.recall_steps - s.recall_steps_confident)
     print(f"{model.path.name} · {args.tokens:,} tokens read · {args.backend} backend · {s.recall_steps} steps, "
           f"{swaps} swapped · prefill {s.prefill_seconds:.1f} s · swaps {s.recall_step_seconds:.2f} s")
-    print(f"{'part':<20} {'ms/swap':>8} {'calls':>6}")
-    for label, t in sorted(seconds.items(), key=lambda kv: -kv[1]):
-        print(f"{label:<20} {t * 1000 / swaps:>8.1f} {calls[label]:>6}")
+    print(f"{'part':<20} {'ms/swap':>8} {'faults/swap':>11} {'calls':>6}")
+    for label in parts.by_time():
+        print(f"{label:<20} {parts.seconds[label] * 1000 / swaps:>8.1f} {parts.faults[label] / swaps:>11,.0f} "
+              f"{parts.calls[label]:>6}")
 
 
 if __name__ == "__main__":
