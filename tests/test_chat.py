@@ -104,10 +104,18 @@ def test_ctrl_c_while_reading_leaves_the_chat_as_it_was(smollm2_model):
 
 
 def test_the_status_line_shows_a_dash_for_a_rate_not_measured_yet(smollm2_model):
-    # a document read before any reply has a prompt rate and no generation rate: "gen – t/s", not "gen 0 t/s"
+    # a document read before any reply has a prompt rate and no generation rate: "gen – t/s", not "gen 0 t/s" — in
+    # the status line and in /stats
+    import io
+
+    from kvlocal.cli.repl import Repl
+
     with Chat(smollm2_model, budget=256) as chat:
+        repl = Repl(chat, interactive=False, out=io.StringIO(), err=io.StringIO())
         chat.read(PROSE[:2000])
         assert re.search(r"\[ prompt [\d,]+ t/s \| gen – t/s \| KV ", chat.status_line()), chat.status_line()
+        repl.stats("")
+        assert re.search(r"speed +last turn: prompt [\d,.]+ t/s, gen – t/s;", repl.err.getvalue()), repl.err.getvalue()
         chat.ask("Say hello.", 6)
         assert re.search(r"\[ prompt [\d,]+ t/s \| gen [\d,]+ t/s \| KV ", chat.status_line()), chat.status_line()
 
