@@ -344,9 +344,9 @@ class Chat:
         22 MiB (full: 216 MiB) ]``; a rate not measured yet (nothing generated so far) is a dash."""
         s = self.stats
         mib = 2**20
-        prompt, gen = (f"{r:,.0f}" if r else "–" for r in (s.prompt_tokens_per_s, s.gen_tokens_per_s))
-        return (f"[ prompt {prompt} t/s | gen {gen} t/s | KV {s.kv_tokens_kept:,} of "
-                f"{s.tokens_seen:,} tokens kept · {s.kv_bytes / mib:,.0f} MiB (full: {s.kv_bytes_full / mib:,.0f} MiB)"
+        return (f"[ prompt {rate_text(s.prompt_tokens_per_s)} t/s | gen {rate_text(s.gen_tokens_per_s)} t/s | "
+                f"KV {s.kv_tokens_kept:,} of {s.tokens_seen:,} tokens kept · {s.kv_bytes / mib:,.0f} MiB "
+                f"(full: {s.kv_bytes_full / mib:,.0f} MiB)"
                 + (f" · recall tier {s.host_tier_bytes / mib:,.0f} MiB" if s.host_tier_bytes else "")
                 + (f" · positions moved ×{s.repositions}" if s.repositions else "") + " ]")
 
@@ -511,6 +511,12 @@ class Chat:
         self.engine.ctx.close()
         self.engine, self.session, self.settings = engine, session, settings
         self._before_turn = None
+
+
+def rate_text(rate: float, digits: int = 0) -> str:
+    """A tokens-per-second rate as the status line and ``/stats`` print it: a dash where none was measured yet
+    (a document read before any reply has generated nothing)."""
+    return f"{rate:,.{digits}f}" if rate else "–"
 
 
 def _new_messages(message) -> list[dict]:

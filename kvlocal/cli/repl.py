@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from kvlocal.chat import Chat
+from kvlocal.chat.chat import rate_text
 from kvlocal.errors import UsageError
 
 HELP = """\
@@ -157,9 +158,6 @@ class Repl:
     def stats(self, arg: str) -> None:
         s, e = self.chat.stats, self.chat.engine.stats
         mib = 2**20
-        # a rate not measured yet (nothing generated so far) is a dash, as in the status line
-        rates = ", ".join(f"{name} {f'{r:,.1f}' if r else '–'} t/s"
-                          for name, r in (("prompt", s.prompt_tokens_per_s), ("gen", s.gen_tokens_per_s)))
         rows = [
             ("model", f"{self.chat.model.path.name}"),
             ("method", f"{s.method}, budget {s.budget}: {s.budget_cells:,} cells ({s.kv_cells_allocated:,} allocated)"),
@@ -178,7 +176,9 @@ class Repl:
                         f"({e.recall_step_seconds:.2f} s; the others' decodes were sure)"
                         + (f", {e.recall_dropped_rows:,} dropped (--recall-mem)" if e.recall_dropped_rows else ""))
                        if self.chat.engine.tier is not None else "off"),
-            ("speed", f"last turn: {rates}; all: read {e.prefill_seconds:.1f} s, generate {e.decode_seconds:.1f} s"),
+            ("speed", f"last turn: prompt {rate_text(s.prompt_tokens_per_s, 1)} t/s, "
+                      f"gen {rate_text(s.gen_tokens_per_s, 1)} t/s; "
+                      f"all: read {e.prefill_seconds:.1f} s, generate {e.decode_seconds:.1f} s"),
             ("positions", f"moved back under the trained {self.chat.model.n_ctx_train:,} {s.repositions} times"),
             ("messages", f"{len(self.chat.messages)}"),
         ]

@@ -69,11 +69,12 @@ class StateBackend(KVBackend):
         kv = read.kv
         buffer = lambda nbytes: self.scratch.take("blob", (nbytes,), np.uint8)  # kept between events (see below)
         # the plan's rows are gathered straight into the blob's K and V sections where the cache stores them as
-        # they are (F16, F32, quantized bytes; not a transposed V): write_seq then copies no row
+        # they are (F16, F32, quantized bytes): write_seq then copies no row; the others (a transposed V, BF16, a
+        # sliding-window cache's blob) into scratch rows kept between events, which write_seq copies
         width = plan.keep.shape[2]
-        out = blob_rows(kv, width, buffer)
-        if out[0] is not None and out[1] is None:  # a transposed V (no flash attention): gathered into scratch rows
-            out = out[0], [self.scratch.take(("v_out", i), (width, *a.shape[1:]), a.dtype) for i, a in enumerate(kv.v)]
+        out = tuple(rows if rows is not None else
+                    [self.scratch.take((name, i), (width, *a.shape[1:]), a.dtype) for i, a in enumerate(arrays)]
+                    for rows, name, arrays in zip(blob_rows(kv, width, buffer), ("k_out", "v_out"), (kv.k, kv.v)))
         k, v, counts, bias = plan.materialize(kv.k, kv.v, read.count, self.basis.k_codec, self.basis.v_codec,
                                               dtype=None, out=out)
         record = RowRecord.after(plan, read, counts)
