@@ -146,6 +146,31 @@ def test_transpose16_moves_every_element_as_bits():
         kernels.transpose16(np.zeros((4, 6), np.uint16), np.zeros((4, 6), np.uint16))
 
 
+@pytest.mark.parametrize("level", kernels.SIMD_LEVELS)
+def test_window_votes_of_f16_cells_are_those_of_their_float32_keys(level):
+    # an F16 cache's keys are converted block by block as the votes read them (whole blocks transposed as bits
+    # first, then converted; the last cells one row at a time): the exact float32 values, so the same votes to
+    # the bit as float32 keys, at every instruction set the CPU has — whole blocks of 8, 16 and 32 cells and a
+    # partial one, head dimensions off the 8 x 8 tiles, one query row (a recall step's) and many
+    best = kernels.simd_level()
+    if kernels.SIMD_LEVELS.index(level) > kernels.SIMD_LEVELS.index(best):
+        pytest.skip(f"this CPU has no {level}")
+    rng = np.random.default_rng(5)
+    kernels.simd_level(level)
+    try:
+        for n, d, hkv, group, w in ((75, 64, 3, 3, 1), (64, 24, 2, 1, 5), (150, 40, 1, 7, 32), (7, 16, 2, 2, 3)):
+            k = rng.standard_normal((n, hkv, d)).astype(np.float16)  # the cells as the cache holds them
+            pos = rng.permutation(2 * n)[:n].astype(np.int64)
+            pos[rng.random(n) < 0.1] = -1
+            q = rng.standard_normal((hkv * group, w, d)).astype(np.float32)
+            q_pos = np.sort(rng.integers(0, 2 * n + 2, size=w))
+            halves = kernels.window_votes(q, q_pos, k.transpose(1, 0, 2), pos)
+            floats = kernels.window_votes(q, q_pos, k.transpose(1, 0, 2).astype(np.float32), pos)
+            assert np.array_equal(halves.view(np.uint32), floats.view(np.uint32)), (level, n, d)
+    finally:
+        kernels.simd_level(best)
+
+
 def random_layer(rng, *, votes_given=False, half_values=False, half_keys=False):
     """A layer of random size (cells in shuffled order, empty rows, merged rows' bias, some norms known);
     ``half_values``/``half_keys``: its values/keys an F16 cache's cells ``[n, Hkv, d]``, seen as ``[Hkv, n, d]``."""
