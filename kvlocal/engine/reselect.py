@@ -74,9 +74,11 @@ class Reselection:
         if cands.width == 0:
             return 0
         before = self.tier.rows_in
-        union = with_candidates(self._read(), self.tier, cands, self.kv, self.recall_span)
+        union, values = with_candidates(self._read(), self.tier, cands, self.kv, self.recall_span)
         width = self._recall_width(pending)
-        self._apply(union, self._plan(union, q, q_pos, width))
+        plan = self._plan(union, q, q_pos, width)
+        values(plan)  # the values of the tier rows it keeps
+        self._apply(union, plan)
         if width > self.head_budget:  # the turn's tokens go in with no compression: its answer reads these rows
             self._settled = self.last_plan.n_slots + pending
         self.stats.recall_candidates += cands.n_rows

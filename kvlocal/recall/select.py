@@ -59,7 +59,12 @@ def with_candidates(read, tier: HostTier, cands: Candidates, backend, span: str 
     ``cands.width`` more cells: per layer, head ``h``'s ``j``-th candidate sits in new cell ``j``, rows a
     head has no candidate for are empty (position -1, count 0). ``tier_ids`` says which rows came from
     the tier. ``span="page"``: a tier page's rows rank together (its best row's score), so a fact comes
-    back whole or not at all; ``"row"``: each row on its own score."""
+    back whole or not at all; ``"row"``: each row on its own score.
+
+    Returns ``(union, values)``. The candidates' keys are all copied (the scorers read every one), their values
+    only where the tier knows no value norm (a scorer computes it from them): call ``values(plan)`` before the plan
+    is applied, and it copies in the values of the candidates ``plan`` keeps — an answer step scores four budgets
+    of candidates and keeps about a tenth of them."""
     n_layer, hkv = read.true.shape[:2]
     held = device_table(read.true)  # a row the device holds is never a candidate (its flag is set right here)
     for l in range(n_layer):
@@ -77,9 +82,21 @@ def with_candidates(read, tier: HostTier, cands: Candidates, backend, span: str 
     for l in range(n_layer):
         for h, ids in enumerate(cands.ids[l]):
             s = tier.heads[l][h]
-            s.rows_into(ids, k_new[l][:len(ids), h], v_new[l][:len(ids), h])
+            s.rows_into(ids, k_new[l][:len(ids), h], None)
             true[l, h, :len(ids)], vnorm[l, h, :len(ids)] = s.pos[ids], s.vnorm[ids]
             count[l, h, :len(ids)], tier_ids[l, h, :len(ids)] = 1, ids
+            unknown = np.flatnonzero(np.isnan(vnorm[l, h, :len(ids)]))
+            if len(unknown):
+                v_new[l][unknown, h] = s.values(ids[unknown])
+
+    def values(plan) -> None:
+        for l in range(n_layer):
+            for h, ids in enumerate(cands.ids[l]):
+                keep = plan.keep[l, h]
+                j = keep[keep >= read.n] - read.n
+                j = j[~np.isnan(vnorm[l, h, j])]  # (the others' values were copied above)
+                if len(j):
+                    v_new[l][j, h] = tier.heads[l][h].values(ids[j])
 
     def join(device, new):
         return np.concatenate([device, new], axis=2)
@@ -89,7 +106,8 @@ def with_candidates(read, tier: HostTier, cands: Candidates, backend, span: str 
     if span == "page":
         groups = join(device_ids, np.where(tier_ids >= 0, tier_ids // PAGE, -1))
     return dataclasses.replace(union, true=join(read.true, true), vnorm=join(read.vnorm, vnorm),
-                               count=join(read.count, count), groups=groups, tier_ids=join(device_ids, tier_ids))
+                               count=join(read.count, count), groups=groups,
+                               tier_ids=join(device_ids, tier_ids)), values
 
 
 def device_table(true: np.ndarray):

@@ -174,14 +174,22 @@ class HeadStore:
         self.rows_into(ids, k, v)
         return k, v
 
-    def rows_into(self, ids: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """Copy K and V of the rows ``ids`` into ``k``/``v`` ``[len(ids), ...]`` (views: rows any stride apart)."""
+    def rows_into(self, ids: np.ndarray, k: np.ndarray | None, v: np.ndarray | None) -> None:
+        """Copy K and V of the rows ``ids`` into ``k``/``v`` ``[len(ids), ...]`` (views: rows any stride apart;
+        None: not that one)."""
         have = len(self._addr[0])
         if have != len(self.chunks):  # chunks are only ever added: so are their addresses
             new = [np.array([c[i].ctypes.data for c in self.chunks[have:]], np.uintp) for i in (0, 1)]
             self._addr = (np.append(self._addr[0], new[0]), np.append(self._addr[1], new[1]))
-        gather_rows(self._addr[0], CHUNK, ids, k)
-        gather_rows(self._addr[1], CHUNK, ids, v)
+        for addr, out in zip(self._addr, (k, v)):
+            if out is not None:
+                gather_rows(addr, CHUNK, ids, out)
+
+    def values(self, ids: np.ndarray) -> np.ndarray:
+        """V of the rows ``ids``: ``[m, ...]``, a copy."""
+        v = np.empty((len(ids), *self.row_v[1]), dtype=self.row_v[0])
+        self.rows_into(ids, None, v)
+        return v
 
     def page_bounds(self, q: np.ndarray) -> np.ndarray:
         """``[n_pages]``: for each page the largest ``q·k`` any of its keys can reach, over the queries
