@@ -170,7 +170,9 @@ class Plan:
         """Plan from one :class:`LayerPlan` per layer and the source positions of the cells: one ``[n]``
         array for all layers, or one entry per layer (``[n]`` or ``[Hkv, n]``). ``B`` is the most entries
         any head of any layer keeps; heads with fewer get empty slots in front."""
-        if np.ndim(pos) > 1 and len(pos) != len(layers):
+        # one array for all layers, or an entry per layer (np.ndim of a list of arrays would copy them all)
+        shared = (pos.ndim if isinstance(pos, np.ndarray) else np.ndim(pos[0]) + 1 if len(pos) else 1) == 1
+        if not shared and len(pos) != len(layers):
             raise ValueError(f"positions given for {len(pos)} layers, plans for {len(layers)}")
         width = max((lp.keep.shape[1] for lp in layers), default=0)
         keep, positions, counts, merges = [], [], [], []
@@ -179,7 +181,7 @@ class Plan:
             pad = width - k.shape[1]
             if pad:
                 k = np.pad(k, ((0, 0), (pad, 0)), constant_values=EMPTY)
-            p = np.asarray(pos if np.ndim(pos) == 1 else pos[il], dtype=np.int64)
+            p = np.asarray(pos if shared else pos[il], dtype=np.int64)
             p = np.broadcast_to(p, (k.shape[0], p.shape[-1]))
             keep.append(k)
             positions.append(np.where(k >= 0, np.take_along_axis(p, np.maximum(k, 0), axis=1), EMPTY))
