@@ -78,14 +78,15 @@ def with_candidates(read, tier: HostTier, cands: Candidates, backend, span: str 
     vnorm = np.full((n_layer, hkv, m), np.nan, np.float32)
     count = np.zeros((n_layer, hkv, m), np.int64)
     tier_ids = np.full((n_layer, hkv, m), -1, np.int64)
-    union, k_new, v_new = backend.extend(read, m)
+    union, k_new, v_new = backend.extend(read, m)  # new rows uninitialized: each is written below
     for l in range(n_layer):
         for h, ids in enumerate(cands.ids[l]):
-            s = tier.heads[l][h]
-            s.rows_into(ids, k_new[l][:len(ids), h], None)
-            true[l, h, :len(ids)], vnorm[l, h, :len(ids)] = s.pos[ids], s.vnorm[ids]
-            count[l, h, :len(ids)], tier_ids[l, h, :len(ids)] = 1, ids
-            unknown = np.flatnonzero(np.isnan(vnorm[l, h, :len(ids)]))
+            s, c = tier.heads[l][h], len(ids)
+            s.rows_into(ids, k_new[l][:c, h], None)
+            k_new[l][c:, h], v_new[l][c:, h] = 0, 0  # the empty rows
+            norms = vnorm[l, h, :c] = s.vnorm[ids]
+            true[l, h, :c], count[l, h, :c], tier_ids[l, h, :c] = s.pos[ids], 1, ids
+            unknown = np.flatnonzero(np.isnan(norms))
             if len(unknown):
                 v_new[l][unknown, h] = s.values(ids[unknown])
 

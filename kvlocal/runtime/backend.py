@@ -178,7 +178,8 @@ class KVBackend:
         """``read`` with ``m`` more cells after its own, for candidate rows from the recall tier. Returns the
         extended read (its ``pos``, and its rows where the backend holds them; the per-row arrays are the
         caller's) and per compressed layer the new cells' K and V ``[m, Hkv, ...]``
-        (:func:`~kvlocal.runtime.seqstate.row_format`), zeros for the caller to fill in place. Nothing changes
+        (:func:`~kvlocal.runtime.seqstate.row_format`), uninitialized: the caller writes every row a scorer or
+        the plan reads (zeroing a swap's ~40 MB of new rows cost more than copying the keys in). Nothing changes
         in llama.cpp until a plan is applied."""
         raise NotImplementedError
 

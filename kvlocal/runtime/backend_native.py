@@ -228,14 +228,8 @@ class NativeBackend(KVBackend):
         """The rows stay on the host until the plan keeps them (:meth:`apply`), in :attr:`scratch` buffers:
         valid until the next ``extend``."""
         (dk, sk), (dv, sv) = self._format_k, self._format_v
-
-        def zeros(name, shape, dtype):
-            out = self.scratch.take(name, shape, dtype)
-            out[...] = 0
-            return out
-
-        k = [zeros(("k", i), (m, self.n_head_kv, *sk), dk) for i in range(len(self.layers))]
-        v = [zeros(("v", i), (m, self.n_head_kv, *sv), dv) for i in range(len(self.layers))]
+        k = [self.scratch.take(("k", i), (m, self.n_head_kv, *sk), dk) for i in range(len(self.layers))]
+        v = [self.scratch.take(("v", i), (m, self.n_head_kv, *sv), dv) for i in range(len(self.layers))]
         pos = np.concatenate([read.pos, np.full(m, -1, np.int64)])
         rows = NativeRows(read.kv.n_device, k, v, read.kv.fetched)
         return CacheRead(pos, read.true, read.vnorm, read.count, kv=rows), k, v

@@ -52,9 +52,9 @@ class StateBackend(KVBackend):
         :attr:`scratch` buffers: valid until the next ``extend``."""
         kv, n = read.kv, read.n
 
-        def grown(name, rows):  # [n + m, Hkv, ...]: the cells, then m zero rows the caller fills
+        def grown(name, rows):  # [n + m, Hkv, ...]: the cells, then m rows the caller writes
             out = self.scratch.take(name, (n + m, *rows.shape[1:]), rows.dtype)
-            out[:n], out[n:] = rows, 0
+            out[:n] = rows
             return out
 
         k = [grown(("k", i), a) for i, a in enumerate(kv.k)]
