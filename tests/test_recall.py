@@ -284,6 +284,36 @@ def test_moving_positions_back_keeps_the_tiers_latest_history(tiny_llama64, cach
         check(a, tiers["native"][name], err_msg=name, **({"rtol": 1e-5} if name == "tier_vnorm" else {}))
 
 
+def test_a_swap_on_a_quantized_cache_reads_no_stale_bytes(tiny_llama64):
+    """A swap's new rows are not zeroed first (it copies in the keys, and the values of the rows it keeps): a row it
+    does not write must never be read. A quantized cache's values are decoded whole for the scorers, so there the
+    rows it does not copy are zero bytes. The backend's buffers are filled with F16 infinities first (every q8_0
+    block's scale): each value row the scorers decode must be finite."""
+    eng = Engine(tiny_llama64, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True, type_k=8,
+                 type_v=8, backend="state")
+    tokens = tiny_llama64.tokenize(sample_text())
+    eng.prefill(tokens[:600], probe=tokens[600:616])
+    for i in range(len(eng.kv.layers)):
+        for name in ("k", "v"):
+            eng.kv.scratch.take((name, i), (1 << 19,), np.uint16)[...] = 0x7C00
+
+    class Checked:  # the backend's basis, its decoded values checked as the scorers read them
+        def __init__(self, basis):
+            self.basis, self.rows = basis, 0
+
+        def __getattr__(self, name):
+            return getattr(self.basis, name)
+
+        def values(self, rows):
+            out = self.basis.values(rows)
+            assert np.isfinite(out).all(), "a value row the swap did not write was decoded"
+            self.rows += out.shape[0] * out.shape[1]
+            return out
+
+    eng.kv.basis = checked = Checked(eng.kv.basis)
+    assert eng.recall(tokens[700:720]) > 0 and checked.rows > 0
+
+
 def test_recall_refusals_and_defaults(tiny_llama):
     with pytest.raises(UsageError, match="merged row"):
         Engine(tiny_llama, 64, "kvslimmer", max_tokens=500, recall=True)

@@ -79,6 +79,9 @@ def with_candidates(read, tier: HostTier, cands: Candidates, backend, span: str 
     count = np.zeros((n_layer, hkv, m), np.int64)
     tier_ids = np.full((n_layer, hkv, m), -1, np.int64)
     union, k_new, v_new = backend.extend(read, m)  # new rows uninitialized: each is written below
+    for v in v_new:  # the scorers read an F16 cache's values only where a norm is computed, any other format's whole
+        if v.dtype != np.float16:  # (converted, or decoded: CacheBasis.values): there the rows not copied are zero
+            v[...] = 0  # (zero bytes are a zero row in every format)
     for l in range(n_layer):
         for h, ids in enumerate(cands.ids[l]):
             s, c = tier.heads[l][h], len(ids)
