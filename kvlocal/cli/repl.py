@@ -166,20 +166,20 @@ class Repl:
                        + (f", {s.kv_cells_pinned:,} of them the system message's (never evicted)" if s.kv_cells_pinned else "")),
             ("KV memory", f"{s.kv_bytes / mib:,.1f} MiB (K {self.chat.settings.cache_type_k}, V {self.chat.settings.cache_type_v}); "
                           f"a full cache for {s.tokens_seen:,} tokens: {s.kv_bytes_full / mib:,.1f} MiB"),
-            ("compression", f"{s.compression_events} events, {e.compression_seconds:.2f} s"
+            ("compression", f"{_count(s.compression_events, 'event')}, {e.compression_seconds:.2f} s"
                             + "".join(f", {k} {v:.2f} s" for k, v in e.compression_breakdown.items())
                             + f"; {e.backend} backend, {e.host_kv_bytes / mib:,.1f} MiB of K/V copied to the host"),
             ("recall", (f"tier {e.host_tier_bytes / mib:,.1f} MiB of host memory, {e.recall_rows_out:,} rows stored, "
                         f"{e.recall_rows_in:,} brought back (a row may come back often) "
-                        f"by {e.recall_events} questions ({e.recall_seconds:.2f} s) "
-                        f"and {e.recall_steps - e.recall_steps_confident} of {e.recall_steps} answer tokens "
+                        f"by {_count(e.recall_events, 'question')} ({e.recall_seconds:.2f} s) "
+                        f"and {e.recall_steps - e.recall_steps_confident} of {_count(e.recall_steps, 'answer token')} "
                         f"({e.recall_step_seconds:.2f} s; the others' decodes were sure)"
                         + (f", {e.recall_dropped_rows:,} dropped (--recall-mem)" if e.recall_dropped_rows else ""))
                        if self.chat.engine.tier is not None else "off"),
             ("speed", f"last turn: prompt {rate_text(s.prompt_tokens_per_s, 1)} t/s, "
                       f"gen {rate_text(s.gen_tokens_per_s, 1)} t/s; "
                       f"all: read {e.prefill_seconds:.1f} s, generate {e.decode_seconds:.1f} s"),
-            ("positions", f"moved back under the trained {self.chat.model.n_ctx_train:,} {s.repositions} times"),
+            ("positions", f"moved back under the trained {self.chat.model.n_ctx_train:,} {_count(s.repositions, 'time')}"),
             ("messages", f"{len(self.chat.messages)}"),
         ]
         self.say("\n".join(f"  {k:<12} {v}" for k, v in rows))
@@ -235,6 +235,11 @@ class Repl:
         self.chat = chat
         self.say(f"[loaded {path}: {len(chat.messages)} messages, {chat.stats.tokens_seen:,} tokens seen]")
         self.say(chat.status_line())
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 question``, ``2 questions``, ``0 times``."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def _one_path(arg: str) -> str:
