@@ -86,7 +86,7 @@ def with_candidates(read, tier: HostTier, cands: Candidates, backend, span: str 
         for h, ids in enumerate(cands.ids[l]):
             s, c = tier.heads[l][h], len(ids)
             s.rows_into(ids, k_new[l][:c, h], None)
-            k_new[l][c:, h], v_new[l][c:, h] = 0, 0  # the empty rows
+            k_new[l][c:, h] = 0  # the empty rows' keys (the scorers read every key; their values are never read)
             norms = vnorm[l, h, :c] = s.vnorm[ids]
             true[l, h, :c], count[l, h, :c], tier_ids[l, h, :c] = s.pos[ids], 1, ids
             unknown = np.flatnonzero(np.isnan(norms))
