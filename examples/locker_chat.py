@@ -5,7 +5,7 @@ seed 11) — so its figures say how a choice was made, not how well kvlocal does
 
     .venv/bin/python examples/locker_chat.py [--model qwen2.5-coder-0.5b] [--budget 200] [--seeds 77 78 ...]
         [--cache f16|q8_0|q4_0] [--step-confidence 0.9] [--recall-steps 16] [--room 64] [--low-water 0.75]
-        [--observe-every 4] [--value-norm l1|l2] [--rows]
+        [--observe-every 4] [--prefill-observe probe|window] [--value-norm l1|l2] [--rows]
 
 Prints per seed the facts found of 6, the answer steps (and how many kept their decode), their seconds, and
 each miss as (asked code, answer); then the total, and what the misses answered (the next fact's code in the
@@ -26,8 +26,8 @@ import numpy as np
 
 import kvlocal
 from kvlocal.compress import VALUE_NORMS
-from kvlocal.engine import (LOW_WATER, OBSERVE_EVERY, RECALL_ROOM, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY,
-                            RECALL_STEPS)
+from kvlocal.engine import (LOW_WATER, OBSERVE_EVERY, PREFILL_OBSERVATIONS, PREFILL_OBSERVE, RECALL_ROOM,
+                            RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS)
 from kvlocal.eval.tasks import Prose, insert_at
 from kvlocal.models import resolve
 from kvlocal.runtime import Model
@@ -47,7 +47,8 @@ def chat(model: Model, seed: int, args):
     out, rows = [], []
     with kvlocal.Chat(model, ctx_size=len(model.tokenize(doc)) + 1200, budget=args.budget, n_threads=args.threads,
                       cache_type_k=args.cache, cache_type_v=args.cache, recall_steps=args.recall_steps,
-                      low_water=args.low_water, value_norm=args.value_norm, observe_every=args.observe_every) as c:
+                      low_water=args.low_water, value_norm=args.value_norm, observe_every=args.observe_every,
+                      prefill_observe=args.prefill_observe) as c:
         c.engine.recall_step_confidence = args.step_confidence
         c.engine.recall_step_every = args.step_every
         c.engine.recall_room = args.room
@@ -123,6 +124,8 @@ def main() -> None:
                     help="the share of the budget the reading's events leave before its last (Chat(low_water=))")
     ap.add_argument("--observe-every", type=int, default=OBSERVE_EVERY,
                     help="events one decode of the reading's probe scores (Chat(observe_every=))")
+    ap.add_argument("--prefill-observe", default=PREFILL_OBSERVE, choices=PREFILL_OBSERVATIONS,
+                    help="how the reading's events before its last are observed (Chat(prefill_observe=))")
     ap.add_argument("--value-norm", default=None, choices=VALUE_NORMS,
                     help="CriticalKV's value norm (Chat(value_norm=); default: the engine's, l2)")
     ap.add_argument("-t", "--threads", type=int, default=2)

@@ -35,7 +35,7 @@ def add_llama_args(p: argparse.ArgumentParser) -> None:
 
 def add_budget_args(p: argparse.ArgumentParser) -> None:
     from kvlocal.compress import METHODS, VALUE_NORMS
-    from kvlocal.engine.config import LOW_WATER, OBSERVE_EVERY, RECALL_STEPS
+    from kvlocal.engine.config import LOW_WATER, OBSERVE_EVERY, PREFILL_OBSERVATIONS, PREFILL_OBSERVE, RECALL_STEPS
 
     p.add_argument("--budget", default="0.1",
                    help="KV budget: a ratio in (0, 1] of the context (-c; `run`: of the prompt and -n) (default 0.1), "
@@ -49,6 +49,11 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--observe-every", type=int, default=OBSERVE_EVERY, metavar="N",
                    help="prefill compression events one decode of the probe scores; between decodes its queries are "
                         "moved to the new positions by RoPE (default %(default)s; docs/engine.md)")
+    p.add_argument("--prefill-observe", default=PREFILL_OBSERVE, choices=PREFILL_OBSERVATIONS,
+                   help="how a prompt's compression events before its last are scored: probe = the probe's queries "
+                        "(the question's, or a generic probe's; decoded once in --observe-every events), window = the "
+                        "queries of the chunk's own last tokens, no decode: cheaper, and it finds fewer facts "
+                        "(default %(default)s; docs/engine.md)")
     p.add_argument("--low-water", type=float, default=None, metavar="F",
                    help=f"the share of the budget a prompt's compression events leave before its last one: fewer, "
                         f"larger events in the same memory (default {LOW_WATER} with the recall tier, which keeps what "
@@ -160,9 +165,10 @@ def engine_from_args(args, model, max_tokens: int):
 
 
 def observe_args(args) -> dict:
-    """``--observe-every``, ``--low-water`` → the Engine's and Chat's ``observe_every`` and ``low_water`` keywords:
-    how a prompt's compression events are observed and how many they are."""
-    return dict(observe_every=args.observe_every, low_water=args.low_water)
+    """``--observe-every``, ``--prefill-observe``, ``--low-water`` → the Engine's and Chat's ``observe_every``,
+    ``prefill_observe`` and ``low_water`` keywords: how a prompt's compression events are observed and how many
+    they are."""
+    return dict(observe_every=args.observe_every, prefill_observe=args.prefill_observe, low_water=args.low_water)
 
 
 def check_value_norm(method: str) -> None:

@@ -79,6 +79,22 @@ def test_overhead_compares_low_waters(smollm2):
     assert 1 < half["events"] < whole["events"]
 
 
+def test_overhead_compares_the_probe_with_the_chunks_window(smollm2):
+    """``--prefill-observe probe window``: the probe decoded (once in 1 and in 3 events) and each event before the
+    prompt's last scored by its chunk's own window (one row: no decode to spread), the same events; refused without
+    ``--overhead``."""
+    r = run_cli("bench", str(smollm2), "--overhead", "--long", "700", "--budget", "100", "--chunks", "64",
+                "--observe-every", "1", "3", "--decode", "1", "--json", "--backends", "state",
+                "--prefill-observe", "probe", "window")
+    assert r.returncode == 0, r.stderr
+    full, every1, every3, window = json.loads(r.stdout)["overhead"]
+    assert [x["prefill_observe"] for x in (every1, every3, window)] == ["probe", "probe", "window"]
+    e = window["events"]
+    assert every1["events"] == every3["events"] == e > 3 and window["observe_every"] is None
+    assert every1["windows"] == every3["windows"] == 0 and window["windows"] == e - 1 and window["moved"] == 0
+    assert_usage_error(run_cli("bench", str(smollm2), "--prefill-observe", "window"), "add --overhead")
+
+
 def test_overhead_with_the_recall_tier(smollm2):
     """``--recall on``: the compressed runs keep a recall tier, as ``kvlocal chat`` does by default (so the engine's
     low water is the tier's); refused with ``--recall-cost``, which always reads with one."""

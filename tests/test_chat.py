@@ -220,16 +220,19 @@ def test_saved_merged_and_sliding_window_sessions_reload(request, tmp_path, mode
 
 def test_value_norm_reaches_the_scorer_and_the_saved_session(smollm2_model, tmp_path):
     """Chat(value_norm="l1") (kvlocal chat/serve --value-norm) ranks CriticalKV's values by the paper's L1 instead of
-    the default L2, and a saved session keeps it; a method without the norm, or a norm not known, is refused before
-    any model work."""
+    the default L2, and a saved session keeps it (and the reading's low water and observation); a method without the
+    norm, or a norm or observation not known, is refused before any model work."""
     from kvlocal.compress import norm_p
 
-    with Chat(smollm2_model, budget=128, value_norm="l1", low_water=0.5) as chat:
+    with Chat(smollm2_model, budget=128, value_norm="l1", low_water=0.5, prefill_observe="window") as chat:
         chat.read(PROSE[:2000], name="doc.txt")
-        assert chat.engine.stats.compression_events > 0 and norm_p(chat.engine.scorer) == 1
+        s = chat.engine.stats
+        assert s.compression_events > 1 and norm_p(chat.engine.scorer) == 1
+        assert s.observations_window == s.compression_events - 1  # the reading's events: no probe decoded but the last
         chat.save(tmp_path / "l1.kvl")
     with Chat.load(tmp_path / "l1.kvl", model=smollm2_model) as chat:  # the reading's low water is kept too
         assert norm_p(chat.engine.scorer) == 1 and chat.engine.cfg.low_water == 0.5
+        assert chat.engine.cfg.prefill_observe == "window"
         chat.reconfigure(method="snapkv")  # /method: a method without the norm runs; switching back keeps L1
         assert chat.settings.method == "snapkv" and chat.settings.value_norm == "l1"
         chat.reconfigure(method="criticalkv")
@@ -237,6 +240,7 @@ def test_value_norm_reaches_the_scorer_and_the_saved_session(smollm2_model, tmp_
     with Chat(smollm2_model, budget=128) as chat:  # the default: L2 (kvlocal.engine.VALUE_NORM)
         assert norm_p(chat.engine.scorer) == 2
     for kw, says in ((dict(method="snapkv", value_norm="l2"), "method snapkv has no value norm"),
-                     (dict(value_norm="l3"), "give one of l1, l2"), (dict(low_water=0), "low_water 0")):
+                     (dict(value_norm="l3"), "give one of l1, l2"), (dict(low_water=0), "low_water 0"),
+                     (dict(prefill_observe="question"), "give one of probe, window")):
         with pytest.raises(UsageError, match=says):
             Chat(smollm2_model, budget=128, **kw)

@@ -65,7 +65,7 @@ def test_plan_runs_the_full_cache_first_and_each_probe_where_it_matters():
 
 
 def test_methods_run_on_quantized_caches_as_method_at_cache():
-    from kvlocal.eval.runner import decode_observe, low_water, method_params, observe_every, split_method
+    from kvlocal.eval.runner import decode_observe, low_water, method_params, observe_every, prefill_observe, split_method
 
     assert split_method("criticalkv@kv-q8_0") == ("criticalkv", (8, 8), False)
     assert split_method("streaming@q4_0") == ("streaming", (2, None), False)
@@ -89,7 +89,11 @@ def test_methods_run_on_quantized_caches_as_method_at_cache():
     # +lowNN: a prompt's events leave NN% of the budget before its last (the engine's low_water)
     assert split_method("criticalkv+low60+recall@kv-q8_0") == ("criticalkv", (8, 8), True)
     assert [low_water(m) for m in ("criticalkv", "snapkv+low50", "criticalkv+recall+low75@kv-q8_0")] == [1.0, 0.5, 0.75]
-    for bad in ("full+low50", "criticalkv+low0", "criticalkv+low101", "full@kv-q8_0", "criticalkv@q3_k", "h2o@kv-q8_0", "kvslimmer+recall", "full+recall", "criticalkv+every0",
+    # +window: a prompt's events observed by their chunk's own last tokens (the engine's prefill_observe)
+    assert split_method("criticalkv+l2+recall+low75+kept+window") == ("criticalkv", (None, None), True)
+    assert [prefill_observe(m) for m in ("criticalkv+recall", "snapkv+window", "criticalkv+window+recall@kv-q8_0")] == [
+        "probe", "window", "window"]
+    for bad in ("criticalkv+window+every4", "streaming+window", "full+window", "full+low50", "criticalkv+low0", "criticalkv+low101", "full@kv-q8_0", "criticalkv@q3_k", "h2o@kv-q8_0", "kvslimmer+recall", "full+recall", "criticalkv+every0",
                 "criticalkv+every4+recall", "snapkv+l2", "streaming+l1", "defensivekv+l2", "full+kept",
                 "streaming+kept"):
         with pytest.raises(ValueError):

@@ -75,6 +75,52 @@ def test_events_between_probe_decodes_use_moved_queries(smollm2_model):
     assert 0.6 < jaccard < 1.0, jaccard
 
 
+@pytest.mark.slow(20)
+def test_window_observation_scores_each_event_by_its_chunks_last_queries(smollm2_model):
+    """prefill_observe="window": every event of a prompt but its last is scored by the queries its chunk's last
+    ``recent`` tokens had while the chunk was decoded (the first event's are llama.cpp's own for the text decoded
+    afresh), and the probe is decoded once, with the last chunk — the generic one, or the question."""
+    from kvlocal.cli.bench import long_text
+
+    toks = long_text(smollm2_model, 2000)
+    question = smollm2_model.tokenize("\n\nWhat does the text say about patents?", add_special=False)
+    eng = Engine(smollm2_model, 256, "criticalkv", max_tokens=len(toks) + 8, backend="state", prefill_observe="window")
+    events, observed = [], []
+    plan, observe = eng._plan, eng._observe
+
+    def recording_plan(read, q, q_pos, *args):
+        events.append((eng.n_past, [qi.copy() for qi in q], np.array(q_pos)))
+        return plan(read, q, q_pos, *args)
+
+    eng._plan = recording_plan
+    eng._observe = lambda *a, **k: observed.append(a[0]) or observe(*a, **k)
+    eng.prefill(toks)
+    s = eng.stats
+    assert s.compression_events > 6 and s.observations_window == s.compression_events - 1 and s.observations_moved == 0
+    generic = eng._probe_tokens(None)
+    assert observed == [] and eng.last_probe == generic  # the last event's probe: decoded with the last chunk
+    assert list(events[-1][2]) == list(range(eng.n_past, eng.n_past + len(generic)))
+    for n_past, _, q_pos in events[:-1]:
+        assert list(q_pos) == list(range(n_past - 32, n_past))
+
+    n0, q0 = events[0][0], events[0][1]
+    cap = QueryCapture.for_model(smollm2_model)
+    ctx = Context(smollm2_model, 512, cb_eval=cap.callback)
+    cap.arm(32)
+    try:
+        ctx.decode(toks[:n0], list(range(n0)), "last")
+    finally:
+        cap.disarm()
+    fresh = cap.take()
+    for a, b in zip(q0, fresh):
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+
+    asked = Engine(smollm2_model, 256, "criticalkv", max_tokens=len(toks) + 8, backend="state", prefill_observe="window")
+    asked.prefill(toks, probe=question)
+    t = asked.stats
+    assert t.observations_window == t.compression_events - 1 and t.observations_moved == 0 and asked.last_probe == question
+
+
 @pytest.mark.slow(16)
 @pytest.mark.parametrize("fixture", ["smollm2_model", "qwen_model"])
 def test_decode_time_events_are_observed_by_the_queries_their_tokens_had(fixture, request):

@@ -36,7 +36,7 @@ from kvlocal import __version__
 from kvlocal.chat import saved
 from kvlocal.compress import VALUE_NORMS, value_norm_refusal
 from kvlocal.engine import OBSERVE_EVERY, RECALL_STEPS, Budget, Engine, EngineState
-from kvlocal.engine.config import check_low_water
+from kvlocal.engine.config import PREFILL_OBSERVATIONS, PREFILL_OBSERVE, check_low_water
 from kvlocal.errors import UsageError
 from kvlocal.recall import parse_size
 from kvlocal.runtime import Model, RowRecord, Sampler, cache_type, kv_cache_bytes, pad_cells, runtime_info
@@ -69,6 +69,7 @@ class ChatSettings:
     recall_steps: int = RECALL_STEPS  # an answer's first tokens that re-select the cache with their own query
     value_norm: str | None = None  # CriticalKV's value norm, "l1" or "l2" (None: the engine's VALUE_NORM, L2)
     low_water: float | None = None  # the share of the budget a reading's events leave before its last (None: the engine's)
+    prefill_observe: str = PREFILL_OBSERVE  # a reading's events before its last: the "probe" decoded, or the "window"
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ class Chat:
         recall_steps: int = RECALL_STEPS,
         value_norm: str | None = None,
         low_water: float | None = None,
+        prefill_observe: str = PREFILL_OBSERVE,
     ):
         for t in (cache_type_k, cache_type_v):
             cache_type(t)  # UsageError naming the choices, before a model is loaded
@@ -130,12 +132,14 @@ class Chat:
                 raise UsageError(f"value_norm {value_norm!r}: give one of {', '.join(VALUE_NORMS)}")
         if low_water is not None:
             check_low_water(low_water)
+        if prefill_observe not in PREFILL_OBSERVATIONS:
+            raise UsageError(f"prefill_observe {prefill_observe!r}: give one of {', '.join(PREFILL_OBSERVATIONS)}")
         if isinstance(recall_mem, str):
             recall_mem = parse_size(recall_mem)
         settings = ChatSettings(str(Budget.parse(budget)), method, ctx_size, chunk, recent, flash_attn, system, max_reply,
                                 cache_type_k.lower(), cache_type_v.lower(), backend, recall, recall_mem,
                                 None if recall_dir is None else os.fspath(recall_dir), pin_system, observe_every,
-                                recall_steps, value_norm, low_water)
+                                recall_steps, value_norm, low_water, prefill_observe)
         if isinstance(model, Model):
             self.model, self._own_model = model, False
         else:
@@ -412,7 +416,7 @@ class Chat:
                    cache_type_k=s.cache_type_k, cache_type_v=s.cache_type_v, backend=s.backend, recall=s.recall,
                    recall_mem=s.recall_mem, recall_dir=s.recall_dir, pin_system=s.pin_system,
                    observe_every=s.observe_every, recall_steps=s.recall_steps, value_norm=s.value_norm,
-                   low_water=s.low_water)
+                   low_water=s.low_water, prefill_observe=s.prefill_observe)
         try:
             a, e = f.arrays, h["engine"]
             if chat.engine.tier is not None and "tier_n" in a:
@@ -456,7 +460,8 @@ class Chat:
                       flash_attn=s.flash_attn, n_threads=self._threads, endless=s.method != "full",
                       type_k=cache_type(s.cache_type_k), type_v=cache_type(s.cache_type_v), backend=s.backend,
                       recall=s.recall, recall_mem=s.recall_mem, recall_dir=s.recall_dir, observe_every=s.observe_every,
-                      recall_steps=s.recall_steps, method_params=self._method_params(s), low_water=s.low_water)
+                      recall_steps=s.recall_steps, method_params=self._method_params(s), low_water=s.low_water,
+                      prefill_observe=s.prefill_observe)
 
     @staticmethod
     def _method_params(s: ChatSettings) -> dict | None:

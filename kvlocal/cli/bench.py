@@ -28,7 +28,8 @@ import time
 from importlib import resources
 
 from kvlocal.compress import VALUE_NORMS, value_norm_refusal
-from kvlocal.engine import DECODE_OBSERVATIONS, DECODE_OBSERVE, LOW_WATER, RECALL_ROOM, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS, Budget, Engine
+from kvlocal.engine import (DECODE_OBSERVATIONS, DECODE_OBSERVE, LOW_WATER, PREFILL_OBSERVATIONS, PREFILL_OBSERVE,
+                            RECALL_ROOM, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS, Budget, Engine)
 from kvlocal.engine.config import check_low_water, resolve_method_params
 from kvlocal.errors import UsageError
 from kvlocal.runtime import CACHE_TYPES, Model, cache_type, resolve_backend
@@ -65,7 +66,7 @@ def measure(model: Model, tokens: list[int], method: str, budget: str, n_decode:
     n = sum(1 for _ in eng.generate(n_decode, stop_at_eog=False))
     s = eng.stats.as_dict()
     s.update(method=method, budget=budget, prompt_tokens=len(tokens), decode_tok_s=n / (time.perf_counter() - t0),
-             low_water=eng.cfg.low_water, recall=eng.tier is not None)
+             low_water=eng.cfg.low_water, recall=eng.tier is not None, prefill_observe=eng.cfg.prefill_observe)
     return s
 
 
@@ -108,6 +109,8 @@ def run(args) -> int:
         raise UsageError("--configs chooses --frontier's rows: add --frontier")
     if "full" not in args.configs:
         raise UsageError("--configs: include full, the cache every ratio of the table is to")
+    if args.prefill_observe and not args.overhead:
+        raise UsageError("--prefill-observe is a lever of --overhead: add --overhead")
     if args.value_norms and not args.overhead:
         raise UsageError("--value-norms is a lever of --overhead: add --overhead")
     if args.value_norms and value_norm_refusal(args.method):
@@ -179,27 +182,35 @@ def run(args) -> int:
 def run_overhead(args, model: Model) -> int:
     """``--overhead``: what each lever against compression's cost buys, side by side on one prompt: every
     ``--chunks`` (fewer, larger events; more cells) × ``--low-waters`` (fewer, larger events; the same cells) ×
-    ``--observe-every`` (fewer probe decodes) × ``--value-norms`` (CriticalKV's L1 or L2, the default) ×
-    ``--backends`` (default: the one ``auto`` picks), against the full cache."""
+    ``--observe-every`` (fewer probe decodes) × ``--prefill-observe`` (no probe decode: the chunk's own window) ×
+    ``--value-norms`` (CriticalKV's L1 or L2, the default) × ``--backends`` (default: the one ``auto`` picks),
+    against the full cache."""
     long = long_text(model, args.long)
-    grid = list(itertools.product(args.backends or ["auto"], args.chunks, args.low_waters, args.observe_every,
-                                  args.value_norms or [None]))
+    grid = itertools.product(args.backends or ["auto"], args.chunks, args.low_waters, args.prefill_observe or [None],
+                             args.observe_every, args.value_norms or [None])
+    # a window-observed prompt decodes no probe to spread over events: one row, whatever --observe-every
+    grid = list(dict.fromkeys((b, c, lw, obs, None if obs == "window" else every, norm)
+                              for b, c, lw, obs, every, norm in grid))
     print(f"[1/{1 + len(grid)}] full cache, {len(long)}-token prompt + {args.decode} decoded", file=sys.stderr, flush=True)
     full = measure(model, long, "full", "1", args.decode, args.threads)
     rows = []
-    for i, (backend, chunk, low, every, norm) in enumerate(grid, 2):
+    for i, (backend, chunk, low, obs, every, norm) in enumerate(grid, 2):
+        observe = "observed by each chunk's window" if every is None else f"observe every {every}"
         print(f"[{i}/{1 + len(grid)}] {args.method} {args.budget} ({backend} backend), chunk {chunk}, "
-              f"low water {low or 'default'}, observe every {every}" + (f", {norm} value norms" if norm else ""),
+              f"low water {low or 'default'}, {observe}" + (f", {norm} value norms" if norm else ""),
               file=sys.stderr, flush=True)
         params = {"value_norm": norm} if norm else None
         r = measure(model, long, args.method, args.budget, args.decode, args.threads, backend, chunk=chunk,
-                    recall=recall_of(args), low_water=low, observe_every=every, method_params=params)
+                    recall=recall_of(args), low_water=low, observe_every=every or 1, method_params=params,
+                    prefill_observe=obs or PREFILL_OBSERVE)
         rows.append(dict(chunk=chunk, low_water=r["low_water"], recall=r["recall"],
-                         host_tier_bytes=r["host_tier_bytes"], observe_every=every,
+                         host_tier_bytes=r["host_tier_bytes"], prefill_observe=r["prefill_observe"],
+                         observe_every=None if r["prefill_observe"] == "window" else every,
                          value_norm=resolve_method_params(args.method, params).get("value_norm"),
                          kv_bytes=r["kv_bytes_allocated"], n_ctx=r["n_ctx"],
                          ttft=r["prefill_seconds"], decode_tok_s=r["decode_tok_s"], events=r["compression_events"],
-                         moved=r["observations_moved"], compression_seconds=r["compression_seconds"],
+                         moved=r["observations_moved"], windows=r["observations_window"],
+                         compression_seconds=r["compression_seconds"],
                          share=r["compression_seconds"] / r["prefill_seconds"], breakdown=r["compression_breakdown"],
                          backend=r["backend"]))
     if _json_or_title(args, model, "overhead", [dict(full=True, kv_bytes=full["kv_bytes_allocated"],
@@ -214,12 +225,15 @@ def run_overhead(args, model: Model) -> int:
           f"{'events':>7} {'decoded':>8} {'share':>7} {'observe s':>10} {'score s':>8} {'apply s':>8}   target: share <= 5%")
     for r in rows:
         b = r["breakdown"]
-        print(f"{r['backend']:>8} {r['chunk']:>6} {r['low_water']:>5g} {r['observe_every']:>8} {r['value_norm'] or '-':>5} {r['n_ctx']:>6,} {r['kv_bytes'] / full['kv_bytes_allocated']:>9.3f}x "
+        observe = "window" if r["observe_every"] is None else r["observe_every"]
+        print(f"{r['backend']:>8} {r['chunk']:>6} {r['low_water']:>5g} {observe:>8} {r['value_norm'] or '-':>5} {r['n_ctx']:>6,} {r['kv_bytes'] / full['kv_bytes_allocated']:>9.3f}x "
               f"{r['ttft'] / full['prefill_seconds']:>11.2f}x {r['decode_tok_s'] / full['decode_tok_s']:>13.2f}x "
-              f"{r['events']:>7} {r['events'] - r['moved']:>8} {100 * r['share']:>6.1f}% {b.get('observe', 0):>10.2f} "
+              f"{r['events']:>7} {r['events'] - r['moved'] - r['windows']:>8} {100 * r['share']:>6.1f}% {b.get('observe', 0):>10.2f} "
               f"{b.get('score', 0) + b.get('read', 0):>8.2f} {b.get('apply', 0):>8.2f}")
     print("low: the share of the budget a prompt's events leave before its last (--low-waters); decoded: events whose "
-          "probe was decoded (the others were scored by its queries moved by RoPE); score s includes reading the cells")
+          "probe was decoded (the others were scored by its queries moved by RoPE, or by their chunk's window); observe: --observe-every, or window: "
+          "each event but the prompt's last scored by its chunk's own last tokens (--prefill-observe window); score s "
+          "includes reading the cells")
     return 0
 
 
@@ -415,6 +429,10 @@ def add_arguments(p) -> None:
                         f"{LOW_WATER} with a recall tier and 1 without, which this bench runs)")
     p.add_argument("--observe-every", type=int, nargs="+", default=[1, 4], metavar="N",
                    help="with --overhead: events one probe decode scores (default 1 4)")
+    p.add_argument("--prefill-observe", nargs="+", choices=list(PREFILL_OBSERVATIONS), metavar="MODE",
+                   help="with --overhead: how the prompt's events before its last are observed — probe: its "
+                        "probe decoded (once in --observe-every events), window: the queries of the chunk's own "
+                        "last tokens (Engine(prefill_observe=); default: the engine's, probe)")
     p.add_argument("--value-norms", nargs="+", choices=list(VALUE_NORMS), metavar="NORM",
                    help="with --overhead and a CriticalKV method: the value norm's lever, l1 and/or l2 "
                         "(default: the engine's, l2; docs/engine.md)")

@@ -54,9 +54,10 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, norm_p, observation_window, plan_layers
-from kvlocal.engine.config import DECODE_OBSERVE, OBSERVE_EVERY, PLAN_WORKERS, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_ROOM, RECALL_STEP_EVERY, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_low_water, resolve_method_params, resolve_recall
+from kvlocal.engine.config import DECODE_OBSERVE, OBSERVE_EVERY, PLAN_WORKERS, PREFILL_OBSERVE, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_ROOM, RECALL_STEP_EVERY, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_low_water, resolve_method_params, resolve_recall
 from kvlocal.engine.interrupts import interrupts_deferred
 from kvlocal.engine.observation import Observations, Rope
+from kvlocal.engine.observing import Observing
 from kvlocal.engine.positions import reposition
 from kvlocal.engine.reselect import Reselection
 from kvlocal.errors import UsageError
@@ -72,7 +73,7 @@ from kvlocal.runtime import (CacheBasis, CacheLost, CacheRead, Context, Model, Q
 AGNOSTIC_PROBE = "\n\nRepeat the text above, with every name, number and key fact in it."
 
 
-class Engine(Reselection):
+class Engine(Reselection, Observing):
     """A llama.cpp context whose KV cache stays within a budget.
 
     ``Engine(model, budget=0.1, method="criticalkv")``, then ``prefill(tokens, probe=...)`` and
@@ -111,11 +112,12 @@ class Engine(Reselection):
         method_params: dict | None = None,
         decode_observe: str = DECODE_OBSERVE,
         low_water: float | None = None,
+        prefill_observe: str = PREFILL_OBSERVE,
     ):
         budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
         recall = resolve_recall(recall, method)
         self.cfg = EngineConfig(budget, method, chunk, recent, n_sink, max_tokens, observe_every, decode_observe,
-                                resolve_low_water(low_water, recall))
+                                prefill_observe, resolve_low_water(low_water, recall))
         self.cfg.validate()
         self.scorer = make_scorer(method, **resolve_method_params(method, method_params))  # e.g. {"value_norm": "l1"}
         resolve_backend(backend, type_k, type_v, recall=recall)  # a refusal before the model loads
@@ -245,9 +247,11 @@ class Engine(Reselection):
                 continue
             self._fit_positions(room + len(probe))
             chunk = list(tokens[i:i + room])
-            # the event that ends the prompt is always observed afresh: generation starts from its cache
-            fresh = i + len(chunk) >= len(tokens) or self.observations.needs_decode(probe)
-            observed = self._decode_chunk(chunk, probe, fresh)
+            last = i + len(chunk) >= len(tokens)
+            if self.cfg.prefill_observe == "window" and not last:
+                observed = self._decode_chunk(chunk, probe, window=True)
+            else:  # the event that ends the prompt is always observed afresh: generation starts from its cache
+                observed = self._decode_chunk(chunk, probe, last or self.observations.needs_decode(probe))
             i += len(chunk)
             if progress is not None:
                 progress(i, len(tokens))
@@ -356,41 +360,6 @@ class Engine(Reselection):
                              f"or shorten the system prompt")
         self.stats.kv_cells_pinned = n
 
-    def _decode_token(self, tok: int) -> None:
-        """Decode a generated token. With ``decode_observe="kept"``, the last half-window of tokens before a
-        decode-time event keep the queries of their decode, so that the event needs no probe decode."""
-        w = self.cfg.recent
-        keep = self.cfg.decode_observe == "kept" and self.cfg.method != "full" and self._free_cells() <= w // 2
-        with self._rollback():
-            if keep:
-                self.capture.arm(1)
-            self.logits = self._decode([tok], [self.n_past], "last")
-            if keep:
-                self.observations.keep_token(self.capture.take(), self.n_past, w // 2)
-            self.n_past += 1
-
-    def _kept_observation(self, probe: list[int]):
-        """The observation of a decode-time event with ``probe`` (:meth:`decode_probe`) from the queries its
-        tokens already had (:meth:`Observations.kept`), or None: the probe is decoded."""
-        if self.cfg.decode_observe != "kept":
-            return None
-        n_reply = len(self._reply[-(self.cfg.recent // 2):]) if self.cfg.recent > 1 else 0
-        if list(probe[len(probe) - n_reply:]) != self._reply[len(self._reply) - n_reply:]:
-            return None  # not decode_probe's layout (a subclass's own probe): decode it
-        observed = self.observations.kept(probe[:len(probe) - n_reply], n_reply, self.n_past)
-        if observed is not None:
-            self.stats.observations_kept += 1
-            self.last_probe = list(probe)
-        return observed
-
-    def decode_probe(self) -> list[int]:
-        """The probe of a decode-time event: the last half-window of the prompt's probe followed by the
-        last half-window of the reply so far (the whole window for whichever is short)."""
-        probe = self._probe or self._probe_tokens(None)
-        w = self.cfg.recent
-        reply = self._reply[-(w // 2):] if w > 1 else []
-        return (probe[-(w - len(reply)):] + reply)[-w:]
-
     @property
     def slack(self) -> int:
         """Cells past the budget that chunks and decoding may fill before the next compression."""
@@ -456,65 +425,6 @@ class Engine(Reselection):
     def _note_live(self) -> None:
         self.stats.kv_cells_live = len(self.kv.positions())
         self.stats.kv_cells_live_peak = max(self.stats.kv_cells_live_peak, self.stats.kv_cells_live)
-
-    def _decode_chunk(self, chunk: list[int], probe: list[int], observe: bool = True):
-        """Decode a prompt chunk; when compression may follow and ``observe``, decode the probe in the same
-        call as the chunk's tail (one graph, better matmul shapes than a separate small batch, and one
-        ubatch, so that a sliding-window cache only reuses cells relative to a real token), capture its
-        queries, and remove it. Returns the observation (queries, positions) or None."""
-        p0 = self.n_past
-        with_probe = observe and self.cfg.method != "full" and self.live_cells() + len(chunk) > self._settled
-        with self._rollback():
-            if not with_probe:
-                self.logits = self._decode(chunk, range(p0, p0 + len(chunk)), "last")
-                self.n_past += len(chunk)
-                self._note_live()
-                return None
-            head = max(0, len(chunk) + len(probe) - min(self.ctx.n_batch, self.ctx.n_ubatch))
-            if head:
-                self._decode(chunk[:head], range(p0, p0 + head), "none")
-            t0 = time.perf_counter()
-            seq = chunk[head:] + probe
-            self.capture.arm(len(probe))
-            try:
-                self.logits = self._decode(seq, range(p0 + head, p0 + len(chunk) + len(probe)), len(seq) - len(probe) - 1)
-            finally:
-                self.capture.disarm()
-            self.n_past += len(chunk)
-            self.ctx.remove(self.n_past, -1)
-            queries = self.capture.take()
-        self._note_live()
-        self.last_probe = list(probe)
-        q_pos = np.arange(self.n_past, self.n_past + len(probe))
-        self.observations.keep(probe, queries, q_pos)
-        self.observations.keep_prompt(probe, queries, q_pos)
-        # the probe's share of this decode counts as compression time (estimated by token share)
-        dt = (time.perf_counter() - t0) * len(probe) / len(seq)
-        self.stats.compression_seconds += dt
-        self.stats.compression_breakdown["observe"] = self.stats.compression_breakdown.get("observe", 0.0) + dt
-        return queries, q_pos
-
-    def _observe(self, probe: Sequence[int], keep_if: Callable[[np.ndarray], bool] | None = None):
-        """Decode the probe after the cache with query capture, then remove it. Returns per compressed
-        layer post-RoPE queries [Hq, w, d], their positions [w], and whether the probe stayed: ``keep_if``
-        tests the probe's last logits; where it holds the probe was the next text, decoded (``n_past`` and
-        ``logits`` move past it)."""
-        p0 = self.n_past
-        q_pos = np.arange(p0, p0 + len(probe))
-        with self._rollback():
-            self.capture.arm(len(probe))
-            try:
-                logits = self._decode(list(probe), q_pos.tolist(), "none" if keep_if is None else "last")
-            finally:
-                self.capture.disarm()
-            queries = self.capture.take()
-            if keep_if is not None and keep_if(logits):
-                self.logits, self.n_past = logits, p0 + len(probe)
-                return queries, q_pos, True
-            self.ctx.remove(p0, -1)
-        self.last_probe = list(probe)
-        self.observations.keep(probe, queries, q_pos)
-        return queries, q_pos, False
 
     def _read(self) -> CacheRead:
         """The cells as one event reads them (a seam for tests that record what was scored)."""

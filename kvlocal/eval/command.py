@@ -31,8 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                 f"METHOD+everyN decodes the probe once in N prefill events; "
                                                 f"criticalkv+l2 ranks by L2 value norms (+l1: the paper's L1, the "
                                                 f"default); +kept observes decode-time events by the queries "
-                                                f"their tokens had; +lowNN (criticalkv+low60) leaves NN%% of the "
-                                                f"budget after a prompt's events before its last; the "
+                                                f"their tokens had; +window scores a prompt's events before its "
+                                                f"last by the queries of the chunk's own last tokens; +lowNN "
+                                                f"(criticalkv+low60) leaves NN%% of the budget after a "
+                                                f"prompt's events before its last; the "
                                                 f"full F16 cache always runs (default: streaming snapkv criticalkv, the "
                                                 f"full-* caches, snapkv@kv-q8_0 criticalkv@kv-q8_0)")
     p.add_argument("--budgets", nargs="+", help="ratios in (0, 1) (default 0.05 0.1 0.2 0.4)")
@@ -73,8 +75,8 @@ def _check_methods(given) -> None:
         except ValueError:
             raise UsageError(f"--methods: unknown {m}; choose from {', '.join(METHOD_CHOICES)}, or METHOD@CACHE with "
                              f"CACHE of {', '.join(CACHES)} (e.g. criticalkv@kv-q8_0), +everyN with N >= 1, and "
-                             "+l2 or +l1 on a CriticalKV method (criticalkv+l2), +kept and +lowNN (1 <= NN <= 100) "
-                             "on a compressing method") from None
+                             "+l2 or +l1 on a CriticalKV method (criticalkv+l2), +kept, +window (without +everyN) and "
+                             "+lowNN (1 <= NN <= 100) on a compressing method") from None
 
 
 def check_choices(flag: str, given, allowed) -> None:

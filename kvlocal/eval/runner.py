@@ -19,7 +19,9 @@ events decode the probe once in N and are otherwise scored by its queries moved 
 value norm CriticalKV ranks by, the paper's L1 (the default) or L2 (its ``value_norm``; docs/engine.md). ``+kept``
 (``criticalkv+kept``): a compression while generating is scored by the queries its probe's tokens had when they
 were decoded, not by decoding the probe again (the engine's ``decode_observe="kept"``); the ``generation`` task
-is where such events happen. ``+lowNN`` (``criticalkv+low60``): the prompt's events before its last one leave NN%
+is where such events happen. ``+window`` (``criticalkv+recall+window``): a prompt's events before its last are scored by the
+queries of the chunk's own last tokens, not by a decode of the probe, question or generic (the engine's
+``prefill_observe="window"``; no ``+everyN`` with it). ``+lowNN`` (``criticalkv+low60``): the prompt's events before its last one leave NN%
 of the budget, so fewer events read it in the same memory (the engine's ``low_water``).
 """
 
@@ -57,6 +59,7 @@ EVICTION = tuple(m for m in METHODS if m != "full")
 RECALL = "+recall"  # the suffix of a method run with the recall tier
 EVERY = re.compile(r"\+every(\d+)$")  # the suffix of a method whose probe is decoded once in N events
 KEPT = "kept"  # a part of a method's name (+kept): decode-time events observed by the queries their tokens had
+WINDOW = "window"  # a part of a method's name (+window): a prompt's events observed by their chunk's own last tokens
 LOW = re.compile(r"low(\d+)$")  # a part of a method's name (+low60): a prompt's events leave 60% of the budget
 
 
@@ -86,6 +89,11 @@ def decode_observe(name: str) -> str:
     return "kept" if KEPT in _parts(name) else "probe"
 
 
+def prefill_observe(name: str) -> str:
+    """The engine's ``prefill_observe`` for a method as the eval names it (``+window``; "probe" without)."""
+    return WINDOW if WINDOW in _parts(name) else "probe"
+
+
 def observe_every(name: str) -> int:
     """The engine's ``observe_every`` for a method as the eval names it (``+everyN``; 1 without)."""
     m = EVERY.search(name.partition("@")[0])
@@ -104,11 +112,12 @@ def split_method(name: str) -> tuple[str, tuple[int | None, int | None], bool]:
     method = EVERY.sub("", method)
     norm = any(part in VALUE_NORMS for part in _parts(method))
     kept = KEPT in _parts(method)
+    window = WINDOW in _parts(method)
     lows = [int(m.group(1)) for m in map(LOW.match, _parts(method)) if m]
     if any(not 1 <= low <= 100 for low in lows):
         raise ValueError(name)
     method = "+".join(part for i, part in enumerate(method.split("+"))
-                      if i == 0 or (part not in VALUE_NORMS and part != KEPT and not LOW.match(part)))
+                      if i == 0 or (part not in VALUE_NORMS and part not in (KEPT, WINDOW) and not LOW.match(part)))
     recall = method.endswith(RECALL)
     method = method.removesuffix(RECALL)
     if not (method in EVICTION or method == "full" and not cache and not recall) or (cache and cache not in CACHES):
@@ -117,7 +126,9 @@ def split_method(name: str) -> tuple[str, tuple[int | None, int | None], bool]:
         raise ValueError(name)
     if lows and method == "full":  # nothing is compressed
         raise ValueError(name)
-    if kept and method in ("full",) + QUERY_FREE:  # nothing observes a probe there
+    if (kept or window) and method in ("full",) + QUERY_FREE:  # nothing observes a probe there
+        raise ValueError(name)
+    if window and every:  # no probe decode to spread over events
         raise ValueError(name)
     return method, CACHES[cache] if cache else (None, None), recall
 QUERY_FREE = ("streaming",)  # methods that never look at the probe: one observation mode, "-"
@@ -209,7 +220,8 @@ class Runner:
         return Engine(self.model, "1" if method == "full" else spec.budget, method, max_tokens=max_tokens,
                       n_threads=self.n_threads, type_k=type_k, type_v=type_v, recall=recall,
                       observe_every=observe_every(spec.method), method_params=method_params(spec.method),
-                      decode_observe=decode_observe(spec.method), low_water=low_water(spec.method))
+                      decode_observe=decode_observe(spec.method), low_water=low_water(spec.method),
+                      prefill_observe=prefill_observe(spec.method))
 
     def run(self, spec: Spec, n_items: int | None = None) -> dict:
         """One spec over its task's items -> the record (without the command)."""
