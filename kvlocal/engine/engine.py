@@ -36,6 +36,9 @@ The observation window (docs/engine.md, "What scores the cache"): in prefill and
 tokens of the text being added (or ``probe=``); at a decode-time event, the last half-window of that probe and of
 the reply so far, observed by default by the queries those tokens had when decoded, turned by RoPE
 (``decode_observe="kept"``, :meth:`Observations.kept`), so a long reply is scored by what it says now too.
+``prefill_observe="window"`` scores a prompt's events before its last by their chunk's own last tokens instead of the
+probe (no decode of ours; measured to find fewer facts, not the default). The decodes behind all of these are
+:class:`~kvlocal.engine.observing.Observing`'s.
 
 Ctrl-C (KeyboardInterrupt) at any point leaves the engine as it was before the interrupted chunk or token: cells
 past the last completed position are removed, and a compression event either completes or leaves the previous
