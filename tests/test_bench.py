@@ -95,17 +95,25 @@ def test_overhead_compares_the_probe_with_the_chunks_window(smollm2):
     assert_usage_error(run_cli("bench", str(smollm2), "--prefill-observe", "window"), "add --overhead")
 
 
-def test_overhead_with_the_recall_tier(smollm2):
+def test_overhead_with_the_recall_tier(smollm2, smollm2_model):
     """``--recall on``: the compressed runs keep a recall tier, as ``kvlocal chat`` does by default (so the engine's
-    low water is the tier's); refused with ``--recall-cost``, which always reads with one."""
-    from kvlocal.engine import LOW_WATER
+    low water is the tier's); refused with ``--recall-cost``, which always reads with one. ``--probes question
+    generic``: the prompt's last 32 tokens as its question, then read as a chat reads a document (the engine's
+    generic probe scores it)."""
+    from kvlocal.engine import AGNOSTIC_PROBE, LOW_WATER
 
     r = run_cli("bench", str(smollm2), "--overhead", "--long", "700", "--budget", "100", "--chunks", "64",
-                "--observe-every", "1", "--decode", "1", "--json", "--backends", "state", "--recall", "on")
+                "--observe-every", "1", "--decode", "1", "--json", "--backends", "state", "--recall", "on",
+                "--probes", "question", "generic")
     assert r.returncode == 0, r.stderr
-    full, row = json.loads(r.stdout)["overhead"]
-    assert row["recall"] and row["host_tier_bytes"] > 0 and row["low_water"] == LOW_WATER
+    full, question, generic = json.loads(r.stdout)["overhead"]
+    for row in (question, generic):
+        assert row["recall"] and row["host_tier_bytes"] > 0 and row["low_water"] == LOW_WATER
+    assert question["events"] == generic["events"] > 1 and question["probe_tokens"] == 32
+    generic_tokens = len(smollm2_model.tokenize(AGNOSTIC_PROBE, add_special=False))
+    assert (generic["probe"], generic["probe_tokens"]) == ("generic", generic_tokens) and generic_tokens < 32
     assert_usage_error(run_cli("bench", str(smollm2), "--recall-cost", "--recall", "on"), "leave --recall out")
+    assert_usage_error(run_cli("bench", str(smollm2), "--probes", "generic"), "add --overhead")
 
 
 def test_overhead_compares_the_value_norms(smollm2):

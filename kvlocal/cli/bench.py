@@ -54,19 +54,22 @@ def long_text(model: Model, n_tokens: int) -> list[int]:
 
 
 def measure(model: Model, tokens: list[int], method: str, budget: str, n_decode: int, threads: int | None,
-            backend: str = "auto", cache: str = "f16", **engine) -> dict:
+            backend: str = "auto", cache: str = "f16", probe: str = "question", **engine) -> dict:
     """Prefill ``tokens`` and decode ``n_decode`` more on a new engine; its stats with the decode speed.
-    ``cache``: the K and V cache type (llama.cpp's -ctk/-ctv names); ``engine``: more Engine keywords."""
+    ``cache``: the K and V cache type (llama.cpp's -ctk/-ctv names); ``probe``: "question", the prompt's last 32
+    tokens are its question, or "generic", it is read as a chat reads a document before any question (the engine's
+    generic probe); ``engine``: more Engine keywords."""
     t = None if cache == "f16" else cache_type(cache)
     eng = Engine(model, Budget.parse(budget), method, max_tokens=len(tokens) + n_decode + 1, n_threads=threads,
                  backend=backend, type_k=t, type_v=t, **engine)
-    eng.prefill(tokens, probe=tokens[-32:])
+    eng.prefill(tokens, probe=tokens[-32:] if probe == "question" else None)
     # greedy decode without stopping at end-of-text: a fixed number of steps at this context
     t0 = time.perf_counter()
     n = sum(1 for _ in eng.generate(n_decode, stop_at_eog=False))
     s = eng.stats.as_dict()
     s.update(method=method, budget=budget, prompt_tokens=len(tokens), decode_tok_s=n / (time.perf_counter() - t0),
-             low_water=eng.cfg.low_water, recall=eng.tier is not None, prefill_observe=eng.cfg.prefill_observe)
+             low_water=eng.cfg.low_water, recall=eng.tier is not None, prefill_observe=eng.cfg.prefill_observe,
+             probe=probe, probe_tokens=len(eng.last_probe))
     return s
 
 
@@ -109,6 +112,8 @@ def run(args) -> int:
         raise UsageError("--configs chooses --frontier's rows: add --frontier")
     if "full" not in args.configs:
         raise UsageError("--configs: include full, the cache every ratio of the table is to")
+    if args.probes != ["question"] and not args.overhead:
+        raise UsageError("--probes is a lever of --overhead: add --overhead")
     if args.prefill_observe and not args.overhead:
         raise UsageError("--prefill-observe is a lever of --overhead: add --overhead")
     if args.value_norms and not args.overhead:
@@ -183,26 +188,26 @@ def run_overhead(args, model: Model) -> int:
     """``--overhead``: what each lever against compression's cost buys, side by side on one prompt: every
     ``--chunks`` (fewer, larger events; more cells) × ``--low-waters`` (fewer, larger events; the same cells) ×
     ``--observe-every`` (fewer probe decodes) × ``--prefill-observe`` (no probe decode: the chunk's own window) ×
-    ``--value-norms`` (CriticalKV's L1 or L2, the default) × ``--backends`` (default: the one ``auto`` picks),
-    against the full cache."""
+    ``--value-norms`` (CriticalKV's L1 or L2, the default) × ``--probes`` (the prompt's question, or a chat's generic
+    probe) × ``--backends`` (default: the one ``auto`` picks), against the full cache."""
     long = long_text(model, args.long)
     grid = itertools.product(args.backends or ["auto"], args.chunks, args.low_waters, args.prefill_observe or [None],
-                             args.observe_every, args.value_norms or [None])
+                             args.observe_every, args.value_norms or [None], args.probes)
     # a window-observed prompt decodes no probe to spread over events: one row, whatever --observe-every
-    grid = list(dict.fromkeys((b, c, lw, obs, None if obs == "window" else every, norm)
-                              for b, c, lw, obs, every, norm in grid))
+    grid = list(dict.fromkeys((b, c, lw, obs, None if obs == "window" else every, norm, probe)
+                              for b, c, lw, obs, every, norm, probe in grid))
     print(f"[1/{1 + len(grid)}] full cache, {len(long)}-token prompt + {args.decode} decoded", file=sys.stderr, flush=True)
     full = measure(model, long, "full", "1", args.decode, args.threads)
     rows = []
-    for i, (backend, chunk, low, obs, every, norm) in enumerate(grid, 2):
+    for i, (backend, chunk, low, obs, every, norm, probe) in enumerate(grid, 2):
         observe = "observed by each chunk's window" if every is None else f"observe every {every}"
         print(f"[{i}/{1 + len(grid)}] {args.method} {args.budget} ({backend} backend), chunk {chunk}, "
-              f"low water {low or 'default'}, {observe}" + (f", {norm} value norms" if norm else ""),
-              file=sys.stderr, flush=True)
+              f"low water {low or 'default'}, {observe}" + (f", {norm} value norms" if norm else "")
+              + f", {probe} probe", file=sys.stderr, flush=True)
         params = {"value_norm": norm} if norm else None
         r = measure(model, long, args.method, args.budget, args.decode, args.threads, backend, chunk=chunk,
                     recall=recall_of(args), low_water=low, observe_every=every or 1, method_params=params,
-                    prefill_observe=obs or PREFILL_OBSERVE)
+                    prefill_observe=obs or PREFILL_OBSERVE, probe=probe)
         rows.append(dict(chunk=chunk, low_water=r["low_water"], recall=r["recall"],
                          host_tier_bytes=r["host_tier_bytes"], prefill_observe=r["prefill_observe"],
                          observe_every=None if r["prefill_observe"] == "window" else every,
@@ -212,7 +217,7 @@ def run_overhead(args, model: Model) -> int:
                          moved=r["observations_moved"], windows=r["observations_window"],
                          compression_seconds=r["compression_seconds"],
                          share=r["compression_seconds"] / r["prefill_seconds"], breakdown=r["compression_breakdown"],
-                         backend=r["backend"]))
+                         backend=r["backend"], probe=probe, probe_tokens=r["probe_tokens"]))
     if _json_or_title(args, model, "overhead", [dict(full=True, kv_bytes=full["kv_bytes_allocated"],
                                                      ttft=full["prefill_seconds"], decode_tok_s=full["decode_tok_s"]),
                                                 *rows], f"{len(long):,}-token prompt, {args.decode} decoded"):
@@ -221,16 +226,18 @@ def run_overhead(args, model: Model) -> int:
     print(f"full cache: {full['kv_bytes_allocated'] / mib:.1f} MiB, TTFT {full['prefill_seconds']:.1f} s, "
           f"decode {full['decode_tok_s']:.1f} tok/s; recall tier in the compressed runs: "
           + ("on" if rows[0]["recall"] else "off"))
-    print(f"{'backend':>8} {'chunk':>6} {'low':>5} {'observe':>8} {'norm':>5} {'n_ctx':>6} {'KV vs full':>10} {'TTFT vs full':>12} {'decode vs full':>14} "
+    print(f"{'backend':>8} {'probe':>8} {'chunk':>6} {'low':>5} {'observe':>8} {'norm':>5} {'n_ctx':>6} {'KV vs full':>10} {'TTFT vs full':>12} {'decode vs full':>14} "
           f"{'events':>7} {'decoded':>8} {'share':>7} {'observe s':>10} {'score s':>8} {'apply s':>8}   target: share <= 5%")
     for r in rows:
         b = r["breakdown"]
         observe = "window" if r["observe_every"] is None else r["observe_every"]
-        print(f"{r['backend']:>8} {r['chunk']:>6} {r['low_water']:>5g} {observe:>8} {r['value_norm'] or '-':>5} {r['n_ctx']:>6,} {r['kv_bytes'] / full['kv_bytes_allocated']:>9.3f}x "
+        print(f"{r['backend']:>8} {r['probe']:>8} {r['chunk']:>6} {r['low_water']:>5g} {observe:>8} {r['value_norm'] or '-':>5} {r['n_ctx']:>6,} {r['kv_bytes'] / full['kv_bytes_allocated']:>9.3f}x "
               f"{r['ttft'] / full['prefill_seconds']:>11.2f}x {r['decode_tok_s'] / full['decode_tok_s']:>13.2f}x "
               f"{r['events']:>7} {r['events'] - r['moved'] - r['windows']:>8} {100 * r['share']:>6.1f}% {b.get('observe', 0):>10.2f} "
               f"{b.get('score', 0) + b.get('read', 0):>8.2f} {b.get('apply', 0):>8.2f}")
-    print("low: the share of the budget a prompt's events leave before its last (--low-waters); decoded: events whose "
+    print("probe: the prompt's last 32 tokens as its question, or generic: read before any question, as a chat reads a "
+          "document (--probes); low: the share of the budget a prompt's events leave before its last (--low-waters); "
+          "decoded: events whose "
           "probe was decoded (the others were scored by its queries moved by RoPE, or by their chunk's window); observe: --observe-every, or window: "
           "each event but the prompt's last scored by its chunk's own last tokens (--prefill-observe window); score s "
           "includes reading the cells")
@@ -429,6 +436,10 @@ def add_arguments(p) -> None:
                         f"{LOW_WATER} with a recall tier and 1 without, which this bench runs)")
     p.add_argument("--observe-every", type=int, nargs="+", default=[1, 4], metavar="N",
                    help="with --overhead: events one probe decode scores (default 1 4)")
+    p.add_argument("--probes", nargs="+", choices=["question", "generic"], default=["question"], metavar="PROBE",
+                   help="with --overhead: how the prompt is read — question: its last 32 tokens are its question "
+                        "(the probe), generic: before any question, as a chat reads a document, scored by the "
+                        "engine's generic probe (default question)")
     p.add_argument("--prefill-observe", nargs="+", choices=list(PREFILL_OBSERVATIONS), metavar="MODE",
                    help="with --overhead: how the prompt's events before its last are observed — probe: its "
                         "probe decoded (once in --observe-every events), window: the queries of the chunk's own "
