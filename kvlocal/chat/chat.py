@@ -36,7 +36,7 @@ from kvlocal import __version__
 from kvlocal.chat import saved
 from kvlocal.compress import VALUE_NORMS, value_norm_refusal
 from kvlocal.engine import OBSERVE_EVERY, RECALL_STEPS, Budget, Engine, EngineState
-from kvlocal.engine.config import PREFILL_OBSERVATIONS, PREFILL_OBSERVE, check_low_water
+from kvlocal.engine.config import PREFILL_OBSERVE, check_low_water, check_prefill_observe
 from kvlocal.errors import UsageError
 from kvlocal.recall import parse_size
 from kvlocal.runtime import Model, RowRecord, Sampler, cache_type, kv_cache_bytes, pad_cells, runtime_info
@@ -132,8 +132,7 @@ class Chat:
                 raise UsageError(f"value_norm {value_norm!r}: give one of {', '.join(VALUE_NORMS)}")
         if low_water is not None:
             check_low_water(low_water)
-        if prefill_observe not in PREFILL_OBSERVATIONS:
-            raise UsageError(f"prefill_observe {prefill_observe!r}: give one of {', '.join(PREFILL_OBSERVATIONS)}")
+        check_prefill_observe(prefill_observe)
         if isinstance(recall_mem, str):
             recall_mem = parse_size(recall_mem)
         settings = ChatSettings(str(Budget.parse(budget)), method, ctx_size, chunk, recent, flash_attn, system, max_reply,

@@ -237,10 +237,9 @@ def run_overhead(args, model: Model) -> int:
               f"{b.get('score', 0) + b.get('read', 0):>8.2f} {b.get('apply', 0):>8.2f}")
     print("probe: the prompt's last 32 tokens as its question, or generic: read before any question, as a chat reads a "
           "document (--probes); low: the share of the budget a prompt's events leave before its last (--low-waters); "
-          "decoded: events whose "
-          "probe was decoded (the others were scored by its queries moved by RoPE, or by their chunk's window); observe: --observe-every, or window: "
-          "each event but the prompt's last scored by its chunk's own last tokens (--prefill-observe window); score s "
-          "includes reading the cells")
+          "decoded: events whose probe was decoded (the others were scored by its queries moved by RoPE, or by their "
+          "chunk's window); observe: --observe-every, or window: each event but the prompt's last scored by its "
+          "chunk's own last tokens (--prefill-observe window); score s includes reading the cells")
     return 0
 
 

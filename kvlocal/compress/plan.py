@@ -170,8 +170,10 @@ class Plan:
         """Plan from one :class:`LayerPlan` per layer and the source positions of the cells: one ``[n]``
         array for all layers, or one entry per layer (``[n]`` or ``[Hkv, n]``). ``B`` is the most entries
         any head of any layer keeps; heads with fewer get empty slots in front."""
-        # one array for all layers, or an entry per layer (np.ndim of a list of arrays would copy them all)
-        shared = (pos.ndim if isinstance(pos, np.ndarray) else np.ndim(pos[0]) + 1 if len(pos) else 1) == 1
+        if isinstance(pos, np.ndarray):
+            shared = pos.ndim == 1
+        else:  # a list of positions, or of per-layer entries (np.ndim of the list would copy them all into one array)
+            shared = len(pos) == 0 or np.ndim(pos[0]) == 0
         if not shared and len(pos) != len(layers):
             raise ValueError(f"positions given for {len(pos)} layers, plans for {len(layers)}")
         width = max((lp.keep.shape[1] for lp in layers), default=0)

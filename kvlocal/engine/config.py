@@ -163,6 +163,11 @@ def resolve_low_water(low_water: float | None, recall: bool) -> float:
     return low_water
 
 
+def check_prefill_observe(prefill_observe: str) -> None:
+    """UsageError, naming the choices, unless ``prefill_observe`` is one of :data:`PREFILL_OBSERVATIONS`."""
+    if prefill_observe not in PREFILL_OBSERVATIONS:
+        raise UsageError(f"prefill_observe {prefill_observe!r}: give one of {', '.join(PREFILL_OBSERVATIONS)}")
+
 
 # the most layers an event plans at once (on the context's threads, no more): the kernels release the GIL, the
 # numpy work between them does not, and every layer in flight holds its cells as float32
@@ -230,8 +235,7 @@ class EngineConfig:
         check_low_water(self.low_water)
         if self.decode_observe not in DECODE_OBSERVATIONS:
             raise UsageError(f"decode_observe {self.decode_observe!r}: give one of {', '.join(DECODE_OBSERVATIONS)}")
-        if self.prefill_observe not in PREFILL_OBSERVATIONS:
-            raise UsageError(f"prefill_observe {self.prefill_observe!r}: give one of {', '.join(PREFILL_OBSERVATIONS)}")
+        check_prefill_observe(self.prefill_observe)
         if self.recent > N_UBATCH // 2:
             raise UsageError(f"recent {self.recent} is too large: at most {N_UBATCH // 2} (the probe is decoded with a chunk in one batch)")
 

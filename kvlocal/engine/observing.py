@@ -54,7 +54,7 @@ class Observing:
         queries, and remove it; with ``window`` instead, capture the queries of the chunk's own last ``recent``
         tokens (``prefill_observe="window"``). Returns the observation (queries, positions) or None."""
         p0 = self.n_past
-        with_probe = (observe or window) and self.cfg.method != "full" and self.live_cells() + len(chunk) > self._settled
+        with_probe = observe and self.cfg.method != "full" and self.live_cells() + len(chunk) > self._settled
         with self._rollback():
             if not with_probe:
                 self.logits = self._decode(chunk, range(p0, p0 + len(chunk)), "last")

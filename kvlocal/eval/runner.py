@@ -19,10 +19,10 @@ events decode the probe once in N and are otherwise scored by its queries moved 
 value norm CriticalKV ranks by, the paper's L1 (the default) or L2 (its ``value_norm``; docs/engine.md). ``+kept``
 (``criticalkv+kept``): a compression while generating is scored by the queries its probe's tokens had when they
 were decoded, not by decoding the probe again (the engine's ``decode_observe="kept"``); the ``generation`` task
-is where such events happen. ``+window`` (``criticalkv+recall+window``): a prompt's events before its last are scored by the
-queries of the chunk's own last tokens, not by a decode of the probe, question or generic (the engine's
-``prefill_observe="window"``; no ``+everyN`` with it). ``+lowNN`` (``criticalkv+low60``): the prompt's events before its last one leave NN%
-of the budget, so fewer events read it in the same memory (the engine's ``low_water``).
+is where such events happen. ``+window`` (``criticalkv+recall+window``): a prompt's events before its last are
+scored by the queries of the chunk's own last tokens, not by a decode of the probe, question or generic (the engine's
+``prefill_observe="window"``; no ``+everyN`` with it). ``+lowNN`` (``criticalkv+low60``): the prompt's events before
+its last one leave NN% of the budget, so fewer events read it in the same memory (the engine's ``low_water``).
 """
 
 from __future__ import annotations
