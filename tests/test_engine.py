@@ -91,7 +91,7 @@ class _RecordingScorer:
     def plan_layer(self, inputs: LayerInputs, budget: int):
         out = self.inner.plan_layer(inputs, budget)
         if self.log[0] is not None:
-            self.log[0].append((inputs, int(budget), out.keep.copy()))
+            self.log[0].append((inputs.detached(), int(budget), out.keep.copy()))
         return out
 
     def __getattr__(self, name):

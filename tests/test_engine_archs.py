@@ -108,7 +108,7 @@ class _RecordingScorer:
     def plan_layer(self, inputs, budget: int):
         out = self.inner.plan_layer(inputs, budget)
         if len(self.owner.events) == self.owner.inputs_of:
-            self.owner.inputs.append(inputs)
+            self.owner.inputs.append(inputs.detached())  # K/V may be views of the cache
         return out
 
     def __getattr__(self, name):

@@ -146,6 +146,50 @@ def test_transpose16_moves_every_element_as_bits():
         kernels.transpose16(np.zeros((4, 6), np.uint16), np.zeros((4, 6), np.uint16))
 
 
+def _kept_cells(rng, n_head, n, width, stay=0):
+    """Per head ``width`` cells of ``n`` rising with the slots, the first ``stay`` left where they are."""
+    rest = [np.sort(rng.choice(np.arange(stay, n), width - stay, replace=False)) for _ in range(n_head)]
+    return np.stack([np.concatenate([np.arange(stay), r]) for r in rest]).astype(np.int32)
+
+
+def test_compact_moves_kept_rows_forward_in_place_as_a_gather_would():
+    # a prompt's event on a CPU cache: each head's kept cells moved to its first slots where they lie (the cache's
+    # own memory; K, V as rows, a quantized cache's raw bytes), the same rows as a gather into other memory, the
+    # cells past the slots and the other rows untouched; a transposed V moved as columns
+    rng = np.random.default_rng(11)
+    for dtype, shape, stay in [(np.float16, (140, 3, 64), 0), (np.float32, (40, 2, 8), 5), (np.uint8, (90, 4, 34), 30)]:
+        size, hkv, row = shape
+        n, width = size - 10, size // 2
+        cells = (rng.integers(0, 255, shape) if dtype == np.uint8 else rng.standard_normal(shape)).astype(dtype)
+        keep = _kept_cells(rng, hkv, n, width, stay)
+        want = cells[keep.T, np.arange(hkv)]  # [width, Hkv, row]
+        before = cells.copy()
+        assert kernels.compact_rows(cells, keep)
+        np.testing.assert_array_equal(cells[:width], want)
+        np.testing.assert_array_equal(cells[width:], before[width:])
+        vt = np.ascontiguousarray(before.transpose(1, 2, 0).reshape(hkv * row, size))  # [Hkv * d, cells]
+        if dtype != np.uint8:
+            assert kernels.compact_columns(vt, keep)
+            np.testing.assert_array_equal(vt[:, :width], want.reshape(width, -1).T)
+            np.testing.assert_array_equal(vt[:, width:], before.transpose(1, 2, 0).reshape(hkv * row, size)[:, width:])
+
+
+def test_compact_refuses_moves_that_would_read_an_overwritten_row():
+    # slots before their cell, cells that do not rise, an empty slot below a kept one, a cell past n: nothing moved
+    rng = np.random.default_rng(12)
+    cells = rng.standard_normal((30, 2, 4)).astype(np.float32)
+    vt = np.ascontiguousarray(cells.transpose(1, 2, 0).reshape(8, 30))
+    good = np.array([[0, 2, 5], [1, 3, 4]], np.int32)
+    for bad in (np.array([[0, 2, 5], [1, 0, 4]]), np.array([[0, 5, 2], [1, 3, 4]]), np.array([[-1, 0, 5], [1, 3, 4]]),
+                np.array([[0, 2, 30], [1, 3, 4]]), good[:, ::-1]):
+        before, vt_before = cells.copy(), vt.copy()
+        assert not kernels.compact_rows(cells, bad) and not kernels.compact_columns(vt, bad)
+        np.testing.assert_array_equal(cells, before)
+        np.testing.assert_array_equal(vt, vt_before)
+    keep = np.array([[0, 2, 5], [-1, 3, 4]], np.int32)  # an empty slot after which nothing reads its cell: zeroed
+    assert kernels.compact_rows(cells[:29], keep) and (cells[0, 1] == 0).all()
+
+
 @pytest.mark.parametrize("level", kernels.SIMD_LEVELS)
 def test_window_votes_of_f16_cells_are_those_of_their_float32_keys(level):
     # an F16 cache's keys are converted block by block as the votes read them (whole blocks transposed as bits

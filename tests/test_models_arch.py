@@ -222,15 +222,23 @@ def test_failed_rewrite_restores_the_previous_cells(smollm2_model, prose, monkey
     np.testing.assert_array_equal(ctx.decode([toks[-1]], [len(toks) - 1]), want)
 
 
-def test_lost_cache_stops_the_engine(smollm2_model, prose, monkeypatch):
+@pytest.mark.parametrize("io", ["blob", "view"])
+def test_lost_cache_stops_the_engine(smollm2_model, prose, monkeypatch, io):
+    """llama.cpp refuses the rewritten cells: through the blob, and even its previous cells; in place, the
+    positions after the rows were moved (kvlocal.runtime.hostview)."""
     m = smollm2_model
     toks = m.tokenize(prose)[:400]
+    monkeypatch.setenv("KVLOCAL_STATE_IO", io)
     eng = Engine(m, 64, max_tokens=1000, chunk=64, n_threads=THREADS)
+    assert eng.kv.in_place == (io == "view")
 
-    def refuse(ctx, buf):
-        raise RuntimeError("refused")
+    def refuse(*args, **kwargs):
+        raise (RuntimeError if io == "blob" else ValueError)("refused")
 
-    monkeypatch.setattr(state_mod, "set_blob", refuse)
+    if io == "blob":
+        monkeypatch.setattr(state_mod, "set_blob", refuse)
+    else:
+        monkeypatch.setattr(type(eng.ctx), "compact", refuse)
     with pytest.raises(CacheLost):
         eng.prefill(toks)
     monkeypatch.undo()

@@ -514,7 +514,7 @@ def test_bench_state_times_a_read_and_the_plan_it_applies(smollm2_model, monkeyp
 
     def read(self):
         r = real_read(self)
-        reads.append(r.n)
+        reads.append((r.n, r.kv.in_place))
         return r
 
     def apply(self, r, plan):
@@ -528,5 +528,7 @@ def test_bench_state_times_a_read_and_the_plan_it_applies(smollm2_model, monkeyp
 
     monkeypatch.setattr(StateBackend, "read", read)
     monkeypatch.setattr(StateBackend, "apply", apply)
-    t_read, t_apply = bench_state.run(smollm2_model, cells=90, keep=50, repeat=3, threads=2)
-    assert reads == [90] * 3 and applied == [50] * 3 and t_read > 0 and t_apply > 0
+    for io in ("view", "blob"):  # in place, and through the state blob
+        reads.clear(), applied.clear()
+        t_read, t_apply = bench_state.run(smollm2_model, cells=90, keep=50, repeat=3, threads=2, io=io)
+        assert reads == [(90, io == "view")] * 3 and applied == [50] * 3 and t_read > 0 and t_apply > 0

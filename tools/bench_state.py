@@ -1,9 +1,11 @@
-"""Time the state KV backend's round trip at a compression event, on a real model's cache: the cells read to the
-host (``StateBackend.read``: llama.cpp's sequence state, parsed) and a plan's rows written back
-(``StateBackend.apply``: the kept rows gathered, the blob built, llama.cpp loading it).
+"""Time the state KV backend's round trip at a compression event, on a real model's cache: the cells read
+(``StateBackend.read``) and a plan's rows written back (``StateBackend.apply``), in place where the cache lies
+(``--io view``: numpy views of llama.cpp's memory, the rows written into the first cells) and through llama.cpp's
+sequence state (``--io blob``: copied out and parsed, the kept rows gathered into a blob llama.cpp loads).
 
     python -m tools.bench_state                                   # SmolLM2-135M: 1,400 cells, 1,024 kept
     python -m tools.bench_state qwen2.5-coder-0.5b --cells 1400 --keep 1024
+    python -m tools.bench_state --io view blob view blob          # both ways, alternating, in one run
 
 The defaults are an 8K prefill's event on SmolLM2 at budget 0.1 (a chunk's cells on top of the budget's). A context
 holds ``--cells`` tokens of ``kvlocal bench``'s text; each repeat reads them, keeps ``--keep`` random rows of every
@@ -15,6 +17,7 @@ are called, so the script times any commit's.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -23,10 +26,13 @@ from kvlocal.cli.bench import long_text
 from kvlocal.compress import Plan
 from kvlocal.models import resolve
 from kvlocal.runtime import CacheBasis, Context, Model, RowRecord, StateBackend
+from kvlocal.runtime.hostview import STATE_IO_ENV
 
 
-def run(model: Model, cells: int, keep: int, repeat: int, threads: int, flash_attn: bool = False, seed: int = 0):
-    """Median seconds of (read, apply) over ``repeat`` events on a fresh context of ``cells`` tokens."""
+def run(model: Model, cells: int, keep: int, repeat: int, threads: int, flash_attn: bool = False, seed: int = 0,
+        io: str = "view"):
+    """Median seconds of (read, apply) over ``repeat`` events on a fresh context of ``cells`` tokens; ``io``: in place
+    (``view``, where the runtime can) or through the state blob (``blob``)."""
     arch = model.arch
     ctx = Context(model, n_ctx=cells + 64, n_threads=threads, flash_attn=flash_attn)
     tokens = long_text(model, cells)[:cells]
@@ -34,7 +40,9 @@ def run(model: Model, cells: int, keep: int, repeat: int, threads: int, flash_at
         ctx.decode(tokens[i:i + 512], logits="none")
     layers = arch.full_layers
     basis = CacheBasis.for_cache(None, None, arch.head_dim_k, arch.head_dim_v)
+    os.environ[STATE_IO_ENV] = io
     kv = StateBackend(ctx, layers, arch.n_head_kv, arch.head_dim_k, basis=basis)
+    del os.environ[STATE_IO_ENV]
     cells_then = kv.save()
     rng = np.random.default_rng(seed)
     reads, applies = [], []
@@ -62,15 +70,18 @@ def main(argv=None) -> None:
     ap.add_argument("--keep", type=int, default=1024, help="rows each layer and KV head keeps")
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--flash-attn", action="store_true", help="V stored as rows (flash attention), not transposed")
+    ap.add_argument("--io", nargs="+", choices=["view", "blob"], default=["view"],
+                    help="in place and/or through the state blob, one run each in this order (default: view)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     a = ap.parse_args(argv)
     if not 0 < a.keep <= a.cells:
         ap.error("--keep: give a number of rows between 1 and --cells")
     model = Model(resolve(a.model))
-    read, apply = run(model, a.cells, a.keep, a.repeat, a.threads, a.flash_attn)
-    print(f"{model.path.name} · {a.cells:,} cells, {a.keep:,} kept per layer and KV head · V "
-          f"{'as rows' if a.flash_attn else 'transposed'}: read {read * 1e3:.2f} ms, apply {apply * 1e3:.2f} ms, "
-          f"round trip {(read + apply) * 1e3:.2f} ms an event (median of {a.repeat})")
+    for io in a.io:
+        read, apply = run(model, a.cells, a.keep, a.repeat, a.threads, a.flash_attn, io=io)
+        print(f"{model.path.name} · {a.cells:,} cells, {a.keep:,} kept per layer and KV head · V "
+              f"{'as rows' if a.flash_attn else 'transposed'} · {io}: read {read * 1e3:.2f} ms, apply "
+              f"{apply * 1e3:.2f} ms, round trip {(read + apply) * 1e3:.2f} ms an event (median of {a.repeat})")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 Reads ``--tokens`` of ``kvlocal bench``'s text, its last 32 tokens the probe, as ``kvlocal bench --overhead``
 runs the chat's defaults (CriticalKV at budget 0.1, the recall tier, the probe decoded every 4 events, events
 inside the prompt leaving 3/4 of the budget; ``--no-recall`` for the cache alone). The engine's, the backend's,
-the state round trip's and the tier's functions are wrapped by a wall clock and the process's minor page-fault
+the state backend's reads and writes (in place: ``view.*``; through the state blob, ``KVLOCAL_STATE_IO=blob``:
+``get_blob`` ...) and the tier's functions are wrapped by a wall clock and the process's minor page-fault
 count (``tools.parts``). Parts nest: ``_compress`` holds ``_read``, ``_plan`` and ``_apply``; ``_apply`` the
 backend's ``apply``, ``evicted`` and ``store_evicted``; the probe is decoded inside ``_decode_chunk``, with a
 chunk. Prints the engine's own breakdown (``EngineStats.compression_breakdown``, what ``kvlocal bench`` reports),
@@ -25,6 +26,7 @@ from kvlocal.engine import Engine
 from kvlocal.models import resolve
 from kvlocal.recall.tier import HostTier
 from kvlocal.runtime import Model
+from kvlocal.runtime.hostview import HostView
 import kvlocal.engine.engine as engine_module
 import kvlocal.runtime.state as state_module
 from tools.parts import Parts
@@ -54,6 +56,7 @@ def main(argv=None) -> None:
     for module, names in MODULE_PARTS:
         parts.wrap_each(module, names)
     parts.wrap_each(type(eng.kv), ("read", "apply", "take_rows"), "kv.")
+    parts.wrap_each(HostView, ("read", "compact", "write"), "view.")
     parts.wrap_each(HostTier, ("reserve", "add"), "tier ")
     parts.wrap(Plan, "materialize")
     t0 = time.perf_counter()
@@ -61,7 +64,7 @@ def main(argv=None) -> None:
     wall = time.perf_counter() - t0
     s = eng.stats
     share = s.compression_seconds / s.prefill_seconds
-    print(f"{model.path.name} · {len(tokens):,} tokens · {eng.kv.name} backend · recall {'on' if recall else 'off'} · "
+    print(f"{model.path.name} · {len(tokens):,} tokens · {eng.kv.name} backend{' in place' if getattr(eng.kv, 'in_place', False) else ''} · recall {'on' if recall else 'off'} · "
           f"prefill {wall:.1f} s · compression {s.compression_seconds:.2f} s ({share:.1%}) in {s.compression_events} "
           f"events: " + ", ".join(f"{k} {v:.2f}" for k, v in s.compression_breakdown.items()))
     print(f"{'part':<20} {'seconds':>8} {'calls':>6} {'faults':>9}")

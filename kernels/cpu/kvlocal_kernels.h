@@ -64,6 +64,17 @@ int kvl_dequant_rows(int type, const unsigned char * src, long long n_blocks, fl
  * dst + i * dst_stride. Returns 0, or -1 on bad sizes or an id outside the chunks (rows before it copied). */
 int kvl_gather_rows(const unsigned char * const * chunks, long long n_chunks, long long chunk_rows, const long long * ids, long long n, long long row_bytes, unsigned char * dst, long long dst_stride);
 
+/* A compression event's kept rows moved to the front of a cache in place (compact.c): slot j of KV head h takes
+ * cell keep[h][j]'s row (-1: zeroed), for j < width. kvl_compact_rows: rows of row_bytes, (cell c, head h) at
+ * base + c * cell_stride + h * head_stride (K; V stored as rows). kvl_compact_columns: a transposed V, element e
+ * of head h in cell c at base + (h * head_dim + e) * dim_stride + c * elem_bytes (2 or 4). Each returns 0, or -1
+ * having moved nothing where a head's kept cells do not rise with its slots, one is below its slot or at or past
+ * n_cells (moving forward in place would read a row already overwritten), or for bad sizes. */
+int kvl_compact_rows(unsigned char * base, long long cell_stride, long long head_stride, long long row_bytes,
+                     int n_head, int n_cells, int width, const int * keep);
+int kvl_compact_columns(unsigned char * base, long long dim_stride, int elem_bytes, int n_head, int head_dim,
+                        int n_cells, int width, const int * keep);
+
 /* One layer's kept cells under SnapKV (vnorm NULL) or CriticalKV over SnapKV (kernels/cpu/keep.c has the steps):
  * the scorers' keep() in one call. votes [n_head, n] the window votes, or NULL to compute them from q [n_head,
  * w, d] and k [n_kv, n, d] or k16 (kvl_window_votes_f32's); q_pos [w] the window queries' positions; pos [n_kv, n] (-1

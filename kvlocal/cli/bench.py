@@ -379,8 +379,9 @@ def run_recall_cost(args, model: Model) -> int:
     print("conf: --step-confidence; every: --step-every; back by: --decode-observe; question s: the question's re-selection (its probe decode included); steps: the "
           "answer's tokens that re-selected with their own query (sure: of them, those whose decode predicted the next "
           "token above conf, or came fewer than every steps after the last swap, and was kept: no swap, their time is decoding's); steps s: the others' time; back s: the turn's compressions (the answer's, back to the budget once it outgrows the room the question left it); share: the three, of the prefill; copied: K/V bytes they moved between "
-          "llama.cpp and the host (state: the cache out and back each time; native: only the rows brought back in "
-          "and the evicted rows out)")
+          "llama.cpp's cache and kvlocal's memory (state: the kept rows written back in place on the CPU, the cache "
+          "out and back through the state blob elsewhere; native: only the rows brought back in and the evicted rows "
+          "out)")
     return 0
 
 

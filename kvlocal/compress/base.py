@@ -59,7 +59,8 @@ class LayerInputs:
     k, v : np.ndarray or None
         ``[Hkv, n, d]`` float32 keys (after RoPE) and values of the ``n`` cells, in cell order (either may be
         float16, an F16 cache's rows: exact, a scorer converts the rows it reads — the kernels read such keys
-        and values as the cache's cells, with no float32 copy of the layer). None
+        and values as the cache's cells, with no float32 copy of the layer). They may be views of llama.cpp's
+        own cache (the state backend in place): valid during the event only — copy what outlives it. None
         where they stay on the device (the native backend): then ``votes`` and ``pos`` ``[Hkv, n]``
         are given, for CriticalKV every ``vnorm`` it ranks, and ``rows`` brings the rows a scorer reads
         (:meth:`take`, :meth:`loaded`).
@@ -157,6 +158,11 @@ class LayerInputs:
         if self.vnorm is not None and (self.vnorm.shape != (hkv, n) or self.vnorm.dtype != np.float32):
             raise ValueError(f"layer {self.layer}: vnorm must be float32 [{hkv}, {n}], "
                              f"got {self.vnorm.dtype} {self.vnorm.shape}")
+
+    def detached(self) -> "LayerInputs":
+        """A copy whose ``k`` and ``v`` no longer alias the cache (see ``k, v``): for keeping past the event."""
+        return dataclasses.replace(self, k=None if self.k is None else np.array(self.k),
+                                   v=None if self.v is None else np.array(self.v))
 
     @property
     def n_kv(self) -> int:

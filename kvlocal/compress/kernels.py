@@ -174,6 +174,29 @@ def gather_rows(chunks: np.ndarray, chunk_rows: int, ids: np.ndarray, dst: np.nd
         raise IndexError("gather_rows: a row id outside the store")
 
 
+def compact_rows(cells: np.ndarray, keep: np.ndarray) -> bool:
+    """Move each KV head's kept rows to the front of ``cells`` ``[size, Hkv, row]`` in place (a view of a cache;
+    each row contiguous): slot ``j`` of head ``h`` takes cell ``keep[h, j]``'s row (``-1``: zeroed). False, with
+    nothing moved, where moving forward in place is not safe (a head's kept cells do not rise with its slots, or
+    one lies before its slot): gather through other memory then."""
+    keep = _i32(keep)
+    hkv, width = keep.shape
+    if cells.shape[1] != hkv or not cells[0, 0].flags.c_contiguous:
+        raise ValueError(f"compact_rows: cells {cells.shape} with contiguous rows for keep {keep.shape}")
+    return lib.kvl_compact_rows(ffi.cast("unsigned char *", cells.ctypes.data), cells.strides[0], cells.strides[1],
+                                cells[0, 0].nbytes, hkv, cells.shape[0], width, _ptr(keep, "int *")) == 0
+
+
+def compact_columns(vt: np.ndarray, keep: np.ndarray) -> bool:
+    """:func:`compact_rows` for a transposed V ``[Hkv * d, size]`` (each row contiguous, 16- or 32-bit elements)."""
+    keep = _i32(keep)
+    hkv, width = keep.shape
+    if vt.shape[0] % hkv or vt.strides[1] != vt.itemsize or vt.itemsize not in (2, 4):
+        raise ValueError(f"compact_columns: a transposed V {vt.shape} {vt.dtype} for keep {keep.shape}")
+    return lib.kvl_compact_columns(ffi.cast("unsigned char *", vt.ctypes.data), vt.strides[0], vt.itemsize, hkv,
+                                   vt.shape[0] // hkv, vt.shape[1], width, _ptr(keep, "int *")) == 0
+
+
 def page_boxes(keys: np.ndarray, first: int, page: int, kmin: np.ndarray, kmax: np.ndarray) -> None:
     """The recall tier's page boxes as rows ``first ..`` with these ``keys`` ``[m, d]`` join a head's store
     (:meth:`kvlocal.recall.tier.HostTier.add`): in place, each page's element-wise minimum and maximum key in

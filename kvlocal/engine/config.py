@@ -58,7 +58,8 @@ class EngineStats:
     kv_bytes_full: int = 0  # what llama.cpp's full cache for max_tokens would allocate (formula, both caches)
     wo_cache_bytes: int = 0  # kvlocal's own memory: dequantized W_O kept for CriticalKV (bounded)
     host_bytes_peak: int = 0  # kvlocal's own memory: the largest host copy of the cache one event made
-    host_kv_bytes: int = 0  # K/V bytes compression events copied between llama.cpp and the host (0 on native)
+    host_kv_bytes: int = 0  # K/V bytes events copied between llama.cpp's cache and kvlocal's memory (0 on native;
+    # the state backend in place: the kept rows it writes back; through the state blob: every cell out, kept ones in)
     backend: str = ""  # the KV backend compression runs on: "native" or "state"
     budget_cells: int = 0
     kv_cells_live: int = 0

@@ -138,7 +138,8 @@ class KVBackend:
     ``ctx``: the llama.cpp context; ``layers``: the model layers whose cache is compressed; ``wo``: the
     W_O source for value norms (None when the method needs none); ``basis``: how a quantized cache stores
     its rows (:class:`~kvlocal.runtime.kvquant.CacheBasis`). ``host_kv_bytes`` counts the K/V bytes
-    events copied between llama.cpp and the host, ``host_bytes_peak`` the largest host copy one event made.
+    events copied between llama.cpp's cache and kvlocal's memory, ``host_bytes_peak`` the largest host copy one
+    event made.
     """
 
     name = ""

@@ -1,6 +1,8 @@
-"""The state KV backend: an event reads sequence 0's cells to the host (llama.cpp's sequence state,
-:mod:`kvlocal.runtime.state`), the scorers work on the K/V rows there, and the compacted cells are
-loaded back. Any llama.cpp build; every method, merging and quantized caches included."""
+"""The state KV backend: the scorers work on sequence 0's K/V rows on the host and the plan's rows are
+written back. Where the cache lies in host memory (the CPU's) and the runtime says where (patch 0020), the
+rows are read and written in place (:class:`~kvlocal.runtime.hostview.HostView`); elsewhere they cross as
+llama.cpp's sequence state (:mod:`kvlocal.runtime.state`), which any llama.cpp build has. Every method,
+merging and quantized caches included."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import numpy as np
 
 from kvlocal.compress import LayerInputs, Plan
 from kvlocal.compress.plan import cell_rows
-from kvlocal.runtime.backend import CacheRead, KVBackend, RowRecord
+from kvlocal.runtime.backend import CacheRead, KVBackend, RowRecord, count_bias
+from kvlocal.runtime.hostview import HostView
 from kvlocal.runtime.seqstate import blob_rows
 from kvlocal.runtime.state import read_seq, write_seq
 
@@ -18,7 +21,21 @@ from kvlocal.runtime.state import read_seq, write_seq
 class StateBackend(KVBackend):
     name = "state"
 
+    def __init__(self, ctx, layers, n_head_kv: int, head_dim: int, basis=None, wo=None, norm_p: int = 1):
+        super().__init__(ctx, layers, n_head_kv, head_dim, basis=basis, wo=wo, norm_p=norm_p)
+        arch = ctx.model.arch
+        self.view = HostView.open(ctx, len(self.layers), n_head_kv, (arch.head_dim_k, arch.head_dim_v))
+
+    @property
+    def in_place(self) -> bool:
+        """Whether events read and write the cache where it lies (else through the state blob)."""
+        return self.view is not None
+
     def read(self) -> CacheRead:
+        if self.view is not None:
+            cells, pos = self.ctx.cells()
+            if not len(cells) or cells[-1] == len(cells) - 1:  # cells 0..n-1 (listed in rising order)
+                return self._read_record(pos, kv=self.view.read(pos, self.scratch))
         kv = read_seq(self.ctx)
         return self._read_record(kv.pos, kv=kv)
 
@@ -67,6 +84,8 @@ class StateBackend(KVBackend):
         """Write the plan's rows into the cells: kept rows as they are, merged ones combined
         (:meth:`Plan.materialize`), each with its bias (``log(count)``, ``-inf`` for an empty slot)."""
         kv = read.kv
+        if kv.in_place:
+            return self._apply_in_place(read, plan)
         buffer = lambda nbytes: self.scratch.take("blob", (nbytes,), np.uint8)  # kept between events (see below)
         # the plan's rows are gathered straight into the blob's K and V sections where the cache stores them as
         # they are (F16, F32, quantized bytes): write_seq then copies no row; the others (a transposed V, BF16, a
@@ -82,9 +101,38 @@ class StateBackend(KVBackend):
         cell_bias = [b.T for b in bias] if np.any(counts != 1) else None
         blob = kv.blob.nbytes if kv.blob is not None else 0
         written = sum(a.nbytes for a in k) + sum(a.nbytes for a in v)
-        layer_f32 = 2 * read.n * self.n_head_kv * self.head_dim * 4  # one layer's K and V while scoring
+        layer_f32 = self._scoring_bytes(read)
         # the blob is built in a buffer kept between events (a fresh one of 10-30 MB cost ~1 ms a MiB in page faults)
         write_seq(self.ctx, dataclasses.replace(kv, pos=record.pos.astype(np.int32), k=k, v=v, blob=None, bias=cell_bias),
                   previous=kv.blob, alloc=buffer)
         self.record = record
         self._count_host(blob + written, max(blob + layer_f32, blob + written))
+
+    def _apply_in_place(self, read: CacheRead, plan: Plan) -> None:
+        """:meth:`apply` for a read of the cache where it lies: a plan of the cells' own rows moves them forward in
+        place where that is safe (:meth:`HostView.compact`: a prompt's events); other plans (merged rows, empty
+        slots, a recall union's rows) are gathered into scratch rows kept between events and written into the
+        first cells (:meth:`HostView.write`)."""
+        kv, width = read.kv, plan.keep.shape[2]
+        if self.view.holds(kv) and not plan.merged().any():  # rows that are cells as they are: moved where they lie
+            record = RowRecord.after(plan, read)
+            if self.view.compact(plan.keep, read.n, record.pos, count_bias(record.count)):
+                self.record = record
+                row = kv.k[0][0].nbytes + kv.v[0][0].nbytes  # one cell's K and V, every KV head
+                moved = int(np.count_nonzero(plan.keep != np.arange(width))) * row // self.n_head_kv
+                v_rows = sum(a.nbytes for a in kv.v) if self.view.v_trans else 0  # a transposed V, as rows
+                self._count_host(moved, v_rows + self._scoring_bytes(read))
+                return
+        out = tuple([self.scratch.take((name, i), (width, *a.shape[1:]), a.dtype) for i, a in enumerate(arrays)]
+                    for name, arrays in (("k_out", kv.k), ("v_out", kv.v)))
+        k, v, counts, bias = plan.materialize(kv.k, kv.v, read.count, self.basis.k_codec, self.basis.v_codec,
+                                              dtype=None, out=out)
+        record = RowRecord.after(plan, read, counts)
+        self.view.write(k, v, record.pos, np.stack(bias) if np.any(counts != 1) else None)
+        self.record = record
+        written = sum(a.nbytes for a in k) + sum(a.nbytes for a in v)
+        self._count_host(written, written + self._scoring_bytes(read))
+
+    def _scoring_bytes(self, read: CacheRead) -> int:
+        """One layer's K and V as float32, which a scorer may hold while it reads them."""
+        return 2 * read.n * self.n_head_kv * self.head_dim * 4
