@@ -122,6 +122,7 @@ class HostView:
         head — no empty slot, each head's cells rising with its slots, none before its slot (a prompt's events:
         the cells hold rising positions) — else False, with nothing changed. Rows that stay in their cell are not
         touched; a transposed V moves as columns, never turned into rows."""
+        self._check_open()
         b = keep.shape[2]
         if (b and (keep.min() < 0 or keep.max() >= n or np.any(np.diff(keep, axis=2) <= 0)
                    or np.any(keep < np.arange(b)))):
