@@ -168,7 +168,7 @@ class Repl:
                           f"a full cache for {s.tokens_seen:,} tokens: {s.kv_bytes_full / mib:,.1f} MiB"),
             ("compression", f"{_count(s.compression_events, 'event')}, {e.compression_seconds:.2f} s"
                             + "".join(f", {k} {v:.2f} s" for k, v in e.compression_breakdown.items())
-                            + f"; {e.backend} backend, {e.host_kv_bytes / mib:,.1f} MiB of K/V copied to the host"),
+                            + f"; {e.backend} backend, {e.host_kv_bytes / mib:,.1f} MiB of K/V moved by its events"),
             ("recall", (f"tier {e.host_tier_bytes / mib:,.1f} MiB of host memory, {e.recall_rows_out:,} rows stored, "
                         f"{e.recall_rows_in:,} brought back (a row may come back often) "
                         f"by {_count(e.recall_events, 'question')} ({e.recall_seconds:.2f} s) "
