@@ -26,15 +26,13 @@ CACHES = {  # name: Context keywords (a quantized V needs flash attention, which
 }
 
 
-def backend(ctx, blob: bool = False, monkeypatch=None) -> StateBackend:
+def backend(ctx, blob: bool = False, in_place: bool | None = True) -> StateBackend:
+    """The state backend on ``ctx``: in place where it can be, through the blob with ``blob`` (``in_place=None``: as
+    ``KVLOCAL_STATE_IO`` says)."""
     arch = ctx.model.arch
-    if blob:
-        monkeypatch.setenv(STATE_IO_ENV, "blob")
     basis = CacheBasis.for_cache(ctx.type_k, ctx.type_v, arch.head_dim_k, arch.head_dim_v)
-    kv = StateBackend(ctx, arch.full_layers, arch.n_head_kv, arch.head_dim_k, basis=basis)
-    if blob:
-        monkeypatch.delenv(STATE_IO_ENV)
-    return kv
+    return StateBackend(ctx, arch.full_layers, arch.n_head_kv, arch.head_dim_k, basis=basis,
+                        in_place=False if blob else in_place)
 
 
 def filled(model, n: int, **kw) -> Context:
@@ -64,11 +62,11 @@ def test_reads_the_cells_the_state_blob_holds_without_a_copy(smollm2_model, cach
 
 
 @pytest.mark.parametrize("cache", ["f16", "f16-fa", "q8_0"])
-def test_an_event_in_place_leaves_the_cells_an_event_through_the_blob_leaves(smollm2_model, cache, monkeypatch):
+def test_an_event_in_place_leaves_the_cells_an_event_through_the_blob_leaves(smollm2_model, cache):
     """The same plan (random per-head rows, a different set per layer and head) on two contexts holding the same
     tokens: the same cells, positions and rows afterwards, and the same next-token logits bit for bit."""
     ctxs = [filled(smollm2_model, 180, **CACHES[cache]) for _ in range(2)]
-    view, blob = backend(ctxs[0]), backend(ctxs[1], blob=True, monkeypatch=monkeypatch)
+    view, blob = backend(ctxs[0]), backend(ctxs[1], blob=True)
     assert view.in_place and not blob.in_place
     reads = view.read(), blob.read()
     assert reads[0].kv.in_place and not reads[1].kv.in_place
@@ -131,10 +129,10 @@ def test_cells_elsewhere_than_the_first_are_read_through_the_blob(smollm2_model)
     ctx.close()
 
 
-def test_a_full_attention_cache_of_an_iswa_memory(gemma3_model, monkeypatch):
+def test_a_full_attention_cache_of_an_iswa_memory(gemma3_model):
     """Gemma 3: its full-attention layers' cache is viewed and rewritten; the sliding-window cache is left alone."""
     ctxs = [filled(gemma3_model, 200) for _ in range(2)]
-    view, blob = backend(ctxs[0]), backend(ctxs[1], blob=True, monkeypatch=monkeypatch)
+    view, blob = backend(ctxs[0]), backend(ctxs[1], blob=True)
     reads = view.read(), blob.read()
     assert reads[0].kv.in_place and same_cells(reads[0].kv, reads[1].kv)
     kept = np.tile(np.r_[0:4, 100:200], (len(gemma3_model.arch.full_layers), gemma3_model.arch.n_head_kv, 1))
@@ -151,7 +149,7 @@ def test_a_full_attention_cache_of_an_iswa_memory(gemma3_model, monkeypatch):
 def test_kvlocal_state_io_blob_turns_the_view_off(smollm2_model, monkeypatch):
     ctx = filled(smollm2_model, 50)
     monkeypatch.setenv(STATE_IO_ENV, "view")
-    assert backend(ctx).in_place
+    assert backend(ctx, in_place=None).in_place
     monkeypatch.setenv(STATE_IO_ENV, "blob")
-    assert not backend(ctx).in_place
+    assert not backend(ctx, in_place=None).in_place and backend(ctx).in_place  # an explicit choice wins
     ctx.close()

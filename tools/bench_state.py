@@ -17,7 +17,6 @@ are called, so the script times any commit's.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import numpy as np
@@ -26,7 +25,6 @@ from kvlocal.cli.bench import long_text
 from kvlocal.compress import Plan
 from kvlocal.models import resolve
 from kvlocal.runtime import CacheBasis, Context, Model, RowRecord, StateBackend
-from kvlocal.runtime.hostview import STATE_IO_ENV
 
 
 def run(model: Model, cells: int, keep: int, repeat: int, threads: int, flash_attn: bool = False, seed: int = 0,
@@ -40,9 +38,7 @@ def run(model: Model, cells: int, keep: int, repeat: int, threads: int, flash_at
         ctx.decode(tokens[i:i + 512], logits="none")
     layers = arch.full_layers
     basis = CacheBasis.for_cache(None, None, arch.head_dim_k, arch.head_dim_v)
-    os.environ[STATE_IO_ENV] = io
-    kv = StateBackend(ctx, layers, arch.n_head_kv, arch.head_dim_k, basis=basis)
-    del os.environ[STATE_IO_ENV]
+    kv = StateBackend(ctx, layers, arch.n_head_kv, arch.head_dim_k, basis=basis, in_place=io == "view")
     cells_then = kv.save()
     rng = np.random.default_rng(seed)
     reads, applies = [], []

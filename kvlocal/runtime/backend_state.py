@@ -7,13 +7,14 @@ merging and quantized caches included."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 
 from kvlocal.compress import LayerInputs, Plan
 from kvlocal.compress.plan import cell_rows
 from kvlocal.runtime.backend import CacheRead, KVBackend, RowRecord, count_bias
-from kvlocal.runtime.hostview import HostView
+from kvlocal.runtime.hostview import STATE_IO_ENV, HostView
 from kvlocal.runtime.seqstate import blob_rows
 from kvlocal.runtime.state import read_seq, write_seq
 
@@ -21,10 +22,15 @@ from kvlocal.runtime.state import read_seq, write_seq
 class StateBackend(KVBackend):
     name = "state"
 
-    def __init__(self, ctx, layers, n_head_kv: int, head_dim: int, basis=None, wo=None, norm_p: int = 1):
+    def __init__(self, ctx, layers, n_head_kv: int, head_dim: int, basis=None, wo=None, norm_p: int = 1,
+                 in_place: bool | None = None):
+        """``in_place``: False reads and writes through the state blob even where the cache lies in host memory
+        (None: unless ``KVLOCAL_STATE_IO=blob``); where it does not, the blob either way."""
         super().__init__(ctx, layers, n_head_kv, head_dim, basis=basis, wo=wo, norm_p=norm_p)
         arch = ctx.model.arch
-        self.view = HostView.open(ctx, len(self.layers), n_head_kv, (arch.head_dim_k, arch.head_dim_v))
+        if in_place is None:
+            in_place = os.environ.get(STATE_IO_ENV) != "blob"
+        self.view = HostView.open(ctx, len(self.layers), n_head_kv, (arch.head_dim_k, arch.head_dim_v)) if in_place else None
 
     @property
     def in_place(self) -> bool:

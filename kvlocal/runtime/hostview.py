@@ -18,7 +18,6 @@ the state backend reads and writes the blob as before.
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 
@@ -26,10 +25,10 @@ from kvlocal.compress.kernels import compact_columns, compact_rows, transpose16
 from kvlocal.runtime.kvquant import FLOAT_TYPES, GGML_TYPE_BF16, GGML_TYPE_F16
 from kvlocal.runtime.library import patch_functions
 from kvlocal.runtime.seqstate import SeqKV, row_bytes, row_format
-from kvlocal.runtime.state import CacheLost
+from kvlocal.runtime.state import CacheLost, check_positions
 
-# KVLOCAL_STATE_IO=blob: read and write through the state blob even where the cache lies in host memory
-# (for comparisons: tools/profile_prefill, tools/bench_state)
+# KVLOCAL_STATE_IO=blob: the state backend reads and writes through the state blob even where the cache lies in
+# host memory, unless told otherwise (StateBackend(in_place=...)): for comparisons of whole runs (tools/profile_prefill)
 STATE_IO_ENV = "KVLOCAL_STATE_IO"
 
 
@@ -53,14 +52,15 @@ class HostView:
     def open(cls, ctx, n_layer: int, n_head_kv: int, head_dims: tuple[int, int]) -> "HostView | None":
         """The view of ``ctx``'s cache (its ``n_layer`` compressed layers), or None where there is none: a runtime
         without patch 0020, a cache off the host (a GPU's), a BF16 cache, a quantized row of one block (a head of 32
-        dimensions), ``KVLOCAL_STATE_IO=blob``."""
+        dimensions)."""
         fn = patch_functions()["host_view"]
         k_type = GGML_TYPE_F16 if ctx.type_k is None else ctx.type_k
         v_type = GGML_TYPE_F16 if ctx.type_v is None else ctx.type_v
-        if fn is None or GGML_TYPE_BF16 in (k_type, v_type) or os.environ.get(STATE_IO_ENV) == "blob":
+        if fn is None or GGML_TYPE_BF16 in (k_type, v_type):
             return None
         (k_dt, k_row), (v_dt, v_row) = row_format(k_type, head_dims[0]), row_format(v_type, head_dims[1])
-        if any(row_bytes(t, d) % 4 for t, d in zip((k_type, v_type), head_dims) if t not in FLOAT_TYPES):
+        k_bytes, v_bytes = row_bytes(k_type, head_dims[0]), row_bytes(v_type, head_dims[1])
+        if any(b % 4 for t, b in ((k_type, k_bytes), (v_type, v_bytes)) if t not in FLOAT_TYPES):
             return None  # a quantized row of one block: llama_kv_compact, which sets the cells, refuses the cache
         ks, vs = [], []
         trans = None
@@ -72,7 +72,6 @@ class HostView:
             if size <= 0 or not kp.value or not vp.value:
                 return None  # -2: not in host memory
             trans = bool(vt.value)
-            k_bytes, v_bytes = row_bytes(k_type, head_dims[0]), row_bytes(v_type, head_dims[1])
             if k_stride.value != n_head_kv * k_bytes:
                 return None  # padded rows: not laid out as [cell, head, row]
             ks.append(_array(kp.value, size * k_stride.value).view(k_dt).reshape(size, n_head_kv, *k_row))
@@ -127,7 +126,7 @@ class HostView:
         if (b and (keep.min() < 0 or keep.max() >= n or np.any(np.diff(keep, axis=2) <= 0)
                    or np.any(keep < np.arange(b)))):
             return False
-        self._check(pos, b)
+        check_positions(np.asarray(pos), len(self.k[0]))
         for l, kl in enumerate(keep):
             moved = compact_rows(self.k[l], kl) and (compact_columns(self.v[l], kl) if self.v_trans
                                                      else compact_rows(self.v[l], kl))
@@ -135,13 +134,6 @@ class HostView:
                 raise CacheLost(f"layer {l}'s rows could not be moved in place after the layers before it were")
         self._settle(pos, bias)
         return True
-
-    def _check(self, pos: np.ndarray, b: int) -> None:
-        if b > len(self.k[0]):
-            raise ValueError(f"{b} cells do not fit in a cache of {len(self.k[0])}")
-        s = np.sort(pos)
-        if b and (s[0] < 0 or s[-1] > np.iinfo(np.int32).max or np.any(s[1:] == s[:-1])):
-            raise ValueError("the cells' positions must be unique, non-negative int32 values")
 
     def _settle(self, pos: np.ndarray, bias: np.ndarray | None) -> None:
         """The cells' positions and biases, and the cells past ``len(pos)`` freed: ``llama_kv_compact``, no row moved."""
@@ -163,7 +155,7 @@ class HostView:
         self._check_open()
         pos = np.asarray(pos)
         b = len(pos)
-        self._check(pos, b)
+        check_positions(pos, len(self.k[0]))
         for dst, rows in zip(self.k, k):
             dst[:b] = rows
         for dst, rows in zip(self.v, v):

@@ -130,15 +130,12 @@ def read_seq(ctx) -> SeqKV:
 # -- writing ----------------------------------------------------------------------------------------
 
 
-def _validate(ctx, kv: SeqKV) -> np.ndarray:
-    pos = np.asarray(kv.pos)
-    if pos.ndim != 1:
-        raise ValueError(f"pos must be one-dimensional, got shape {pos.shape}")
-    if pos.size and not np.issubdtype(pos.dtype, np.integer):
-        raise ValueError(f"pos must hold integers, got {pos.dtype}")
+def check_positions(pos: np.ndarray, n_cells: int) -> None:
+    """ValueError unless ``pos`` can be the positions of a sequence's cells in a cache of ``n_cells``: at most that
+    many, each non-negative, in int32, and every cell its own."""
     n = pos.shape[0]
-    if n > ctx.n_ctx:
-        raise ValueError(f"{n} cells do not fit in a context of {ctx.n_ctx} cells")
+    if n > n_cells:
+        raise ValueError(f"{n} cells do not fit in a context of {n_cells} cells")
     if n:
         if pos.min() < 0:
             raise ValueError(f"negative position {int(pos.min())} at cell {int(np.argmin(pos))}")
@@ -148,6 +145,16 @@ def _validate(ctx, kv: SeqKV) -> np.ndarray:
         dup = s[1:][s[1:] == s[:-1]]
         if dup.size:
             raise ValueError(f"duplicate positions: {np.unique(dup)[:10].tolist()} (every cell needs its own position)")
+
+
+def _validate(ctx, kv: SeqKV) -> np.ndarray:
+    pos = np.asarray(kv.pos)
+    if pos.ndim != 1:
+        raise ValueError(f"pos must be one-dimensional, got shape {pos.shape}")
+    if pos.size and not np.issubdtype(pos.dtype, np.integer):
+        raise ValueError(f"pos must hold integers, got {pos.dtype}")
+    n = pos.shape[0]
+    check_positions(pos, ctx.n_ctx)
     if n == 0:
         return pos.astype(np.int32)
     n_layer, n_head_kv = len(ctx.model.arch.full_layers), ctx.model.arch.n_head_kv
