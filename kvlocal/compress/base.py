@@ -456,9 +456,11 @@ def plan_layers(scorer: Scorer, layers: Iterable[LayerInputs], budget: int, work
 
     ``B`` is the most entries any head of any layer keeps (``<= budget`` for uniform methods, ``<=
     int(max_share * budget)`` for AdaKV); heads with fewer get empty slots in front. ``layers`` may be
-    a generator: at most ``workers`` layers' inputs are held at a time (only their positions are kept).
+    a generator: at most ``2 * workers`` layers' inputs are held at a time (only their positions are kept).
     ``workers > 1`` plans that many layers at once on threads — the C kernels release the GIL, so one
     layer's kernels run while another's numpy work does; layers are independent, so the plan is the same.
+    Twice as many layers as workers are queued, so that a worker finding its layer done takes the next at once
+    instead of waiting for this thread to make its inputs (docs/engine.md § Then: the workers kept busy).
     """
     plans, positions = [], []
     if workers <= 1:
@@ -469,7 +471,7 @@ def plan_layers(scorer: Scorer, layers: Iterable[LayerInputs], budget: int, work
     pending: collections.deque = collections.deque()
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         for layer in layers:
-            if len(pending) == workers:
+            if len(pending) == 2 * workers:
                 plans.append(pending.popleft().result())
             pending.append(pool.submit(scorer.plan_layer, layer, budget))
             positions.append(layer.pos_h)

@@ -261,12 +261,13 @@ class HostTier:
             vnorm: np.ndarray) -> None:
         """Rows of one head leave the device: ``pos`` ``[m]`` (sorted), their raw ``k``/``v`` rows, their
         keys as float32 in the stored basis ``[m, key_dim]`` (for the page bounds) and value norms (NaN:
-        unknown). Rows already stored (recalled before) are flagged off the device instead."""
+        unknown). Rows already stored (recalled before) are flagged off the device instead: only a head with rows
+        on the device can have any (a stored row on the device is flagged so), so the others skip the lookup."""
         s = self.heads[layer][head]
         pos = np.asarray(pos, dtype=np.int64)
         if len(pos) == 0:
             return
-        have = s.index_of(pos)
+        have = s.index_of(pos) if s.on_device[:s.n].any() else np.full(len(pos), -1)
         back = have >= 0
         if back.any():
             s.on_device[have[back]] = False
