@@ -345,6 +345,9 @@ def test_native_and_state_keep_identical_sets_on_tiny_f32_models(tiny, arch):
         native, r_native = run_engine(model, "native", method, tokens, cells, **kw)
         state, r_state = run_engine(model, "state", method, tokens, cells, **kw)
         assert native.backend == "native" and state.backend == "state"
+        # the state backend reads and moves the cells where they lie only where the cache is host memory (patch 0020:
+        # -2 for a GPU's buffers, KVLOCAL_TEST_NGL=99 in ggml_patches/gpu_check.sh), through the state blob elsewhere
+        assert state.kv.in_place == (NGL == 0), (arch, NGL)
         assert native.stats.compression_events == state.stats.compression_events > native.prefill_events > 2, method
         exact = params != l2
         for a, b in ((native.prompt_plan, state.prompt_plan), (native.last_plan, state.last_plan)):
