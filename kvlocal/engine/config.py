@@ -171,7 +171,8 @@ def check_prefill_observe(prefill_observe: str) -> None:
 
 
 # the most layers an event plans at once (on the context's threads, no more): the kernels release the GIL, the
-# numpy work between them does not, and every layer in flight holds its cells as float32
+# numpy work between them does not, and every layer in flight holds its inputs (views of an F16 cache's cells; a
+# quantized cache's decoded to float32), twice as many queued (plan_layers)
 PLAN_WORKERS = 4
 
 # an answer's first tokens that re-select the cache with their own query after the question did (the recall tier;
