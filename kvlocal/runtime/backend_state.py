@@ -97,8 +97,7 @@ class StateBackend(KVBackend):
         # they are (F16, F32, quantized bytes): write_seq then copies no row; the others (a transposed V, BF16, a
         # sliding-window cache's blob) into scratch rows kept between events, which write_seq copies
         width = plan.keep.shape[2]
-        out = tuple(rows if rows is not None else
-                    [self.scratch.take((name, i), (width, *a.shape[1:]), a.dtype) for i, a in enumerate(arrays)]
+        out = tuple(rows if rows is not None else self._out_rows(name, arrays, width)
                     for rows, name, arrays in zip(blob_rows(kv, width, buffer), ("k_out", "v_out"), (kv.k, kv.v)))
         k, v, counts, bias = plan.materialize(kv.k, kv.v, read.count, self.basis.k_codec, self.basis.v_codec,
                                               dtype=None, out=out)
@@ -129,8 +128,7 @@ class StateBackend(KVBackend):
                 v_rows = sum(a.nbytes for a in kv.v) if self.view.v_trans else 0  # a transposed V, as rows
                 self._count_host(moved, v_rows + self._scoring_bytes(read))
                 return
-        out = tuple([self.scratch.take((name, i), (width, *a.shape[1:]), a.dtype) for i, a in enumerate(arrays)]
-                    for name, arrays in (("k_out", kv.k), ("v_out", kv.v)))
+        out = (self._out_rows("k_out", kv.k, width), self._out_rows("v_out", kv.v, width))
         k, v, counts, bias = plan.materialize(kv.k, kv.v, read.count, self.basis.k_codec, self.basis.v_codec,
                                               dtype=None, out=out)
         record = RowRecord.after(plan, read, counts)
@@ -138,6 +136,11 @@ class StateBackend(KVBackend):
         self.record = record
         written = sum(a.nbytes for a in k) + sum(a.nbytes for a in v)
         self._count_host(written, written + self._scoring_bytes(read))
+
+    def _out_rows(self, name: str, arrays: list[np.ndarray], width: int) -> list[np.ndarray]:
+        """Per layer ``width`` rows shaped as ``arrays``' (K or V of the cells), scratch kept between events: where a
+        plan's rows are gathered before they are written."""
+        return [self.scratch.take((name, i), (width, *a.shape[1:]), a.dtype) for i, a in enumerate(arrays)]
 
     def _scoring_bytes(self, read: CacheRead) -> int:
         """One layer's K and V as float32, which a scorer may hold while it reads them."""

@@ -54,7 +54,9 @@ class SeqKV:
     tail: np.ndarray | None = None  # raw bytes after the cache (an iSWA memory's sliding-window cache)
     blob: np.ndarray | None = None  # the blob a fresh read parsed (its arrays are views into it), else None
     bias: list[np.ndarray] | None = None  # per layer [n, n_head_kv] float32 attention bias; None = all 0
-    in_place: bool = False  # k/v (and an untransposed v) are views of llama.cpp's own cache (HostView.read)
+    # read where the cache lies (HostView.read): k/v (an untransposed v) are views of llama.cpp's cache, or, in a
+    # recall union (StateBackend.extend), scratch copies of them (HostView.holds tells): applied through the view
+    in_place: bool = False
 
     @property
     def n(self) -> int:
