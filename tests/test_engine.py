@@ -38,6 +38,7 @@ import pytest
 from conftest import run_cli
 from replay import replay
 from kvlocal.compress import VALUE_NORMS, CriticalKV, LayerInputs, Plan, SnapKV, projected_value_norms
+from kvlocal.compress.criticalkv import l2_factor
 from kvlocal.engine import AGNOSTIC_PROBE, LOW_WATER, VALUE_NORM, Budget, Engine
 from kvlocal.errors import UsageError
 from kvlocal.runtime.llama import kv_cache_bytes
@@ -294,7 +295,7 @@ def test_engine_matches_reference_with_the_same_plans(run, comparison):
 # -- 2. the kept sets against the reference scorer -----------------------------------------------------
 
 
-def reference_layer(x: LayerInputs, engine_rule: bool):
+def reference_layer(x: LayerInputs, engine_rule: bool, wo: np.ndarray):
     """The reference's (LayerKV, Observation) built from the arrays the engine scored.
 
     The reference protects the rows at or after the first observation query (``pos >= min(q_pos)``):
@@ -318,7 +319,7 @@ def reference_layer(x: LayerInputs, engine_rule: bool):
     hkv, n = pos.shape
     kv = LayerKV(k=torch.from_numpy(x.k.copy()), v=torch.from_numpy(x.v.copy()), pos=torch.from_numpy(pos),
                  count=torch.ones(hkv, n, dtype=torch.int64), bias=torch.zeros(hkv, n))
-    return kv, rc.Observation(q=torch.from_numpy(x.q.copy()), q_pos=torch.from_numpy(q_pos), wo=torch.from_numpy(x.wo))
+    return kv, rc.Observation(q=torch.from_numpy(x.q.copy()), q_pos=torch.from_numpy(q_pos), wo=torch.from_numpy(wo))
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
@@ -351,7 +352,13 @@ def test_kept_sets_match_the_reference_scorer(run, comparison, ref_model, smollm
         # the arrays are the reference's: W_O, the K/V rows at their true positions, the probe's queries
         # (measured relative errors: K, q <= 0.023, V <= 0.047 — Q8 activations and the F16 cache; rows
         # labelled one position off are >= 0.4 away)
-        np.testing.assert_allclose(x.wo, ref_model.layers[il].attention.wo.weight.numpy(), rtol=1e-6, atol=1e-7)
+        wo = eng._wo[il]  # W_O as the engine reads it from the GGUF; with L2 norms the scorer gets its factor
+        np.testing.assert_allclose(wo, ref_model.layers[il].attention.wo.weight.numpy(), rtol=1e-6, atol=1e-7)
+        if norm == "l2":
+            assert x.wo is None
+            np.testing.assert_array_equal(x.wo_l2, l2_factor(wo, x.n_head))
+        else:
+            assert x.wo is wo and x.wo_l2 is None
         layer = ref_cache[il]
         for h in range(m.n_head_kv):
             index = {int(p): i for i, p in enumerate(layer.pos[h].numpy())}
@@ -363,16 +370,16 @@ def test_kept_sets_match_the_reference_scorer(run, comparison, ref_model, smollm
         # value norms carried from earlier events are those of the rows that carry them
         known = ~np.isnan(x.vnorm) if x.vnorm is not None else np.zeros((m.n_head_kv, x.n), dtype=bool)
         if known.any():
-            exact = np.stack(projected_value_norms(x.v, x.wo, x.n_head, p=VALUE_NORMS[norm]))  # through W_O
+            exact = np.stack(projected_value_norms(x.v, wo, x.n_head, p=VALUE_NORMS[norm]))  # through W_O
             np.testing.assert_allclose(x.vnorm[known], exact[known], rtol=1e-4)
 
         # the kept sets: exactly the reference's, with the window rule the engine uses
-        kv, obs = reference_layer(x, engine_rule=True)
+        kv, obs = reference_layer(x, engine_rule=True, wo=wo)
         want = ref_scorer.plan(kv, obs, ev.budget)
         for h in range(m.n_head_kv):
             assert set(ev.plan.keep[il][h].tolist()) == set(want.keep[h].tolist()), f"layer {il} head {h}"
         # with the reference's own rule (nothing protected past the probe) some rows differ
-        kv, obs = reference_layer(x, engine_rule=False)
+        kv, obs = reference_layer(x, engine_rule=False, wo=wo)
         assert not rc.protected_mask(kv, 0, obs.q_pos).any()
         theirs = ref_scorer.plan(kv, obs, ev.budget)
         plain_differ += sum(len(set(ev.plan.keep[il][h].tolist()) - set(theirs.keep[h].tolist()))

@@ -273,7 +273,9 @@ def test_decode_time_events_are_scored_by_the_question_and_the_reply(smollm2_mod
 
 
 def test_wo_cache_is_bounded_and_reported(smollm2, smollm2_model, prose):
-    """CriticalKV's dequantized W_O is kept per layer in a bounded LRU cache; the engine reports its bytes."""
+    """CriticalKV's dequantized W_O is kept per layer in a bounded LRU cache, its factors for L2 norms for every layer
+    (W_O is not read again for them); the engine reports their bytes."""
+    from kvlocal.compress.criticalkv import l2_factor
     from kvlocal.runtime.weights import OutputProjections
     from kvlocal.models.gguf_file import dequantize_tensor, read_gguf
 
@@ -285,10 +287,17 @@ def test_wo_cache_is_bounded_and_reported(smollm2, smollm2_model, prose):
     assert wo.nbytes == 3 * one and sorted(wo._cache) == [27, 28, 29]  # the three most recently used
     tensor = next(t for t in read_gguf(smollm2).tensors if t.name == "blk.3.attn_output.weight")
     np.testing.assert_array_equal(wo[3], dequantize_tensor(tensor, smollm2))  # dequantized again on demand
+    hq, factor = smollm2_model.n_head, 64 * 576 * 4  # a factor is [d, Hq*d] float32
+    factors = [wo.l2_factor(il, hq) for il in range(smollm2_model.n_layer)]
+    held = list(wo._cache)
+    assert all(wo.l2_factor(il, hq) is f for il, f in enumerate(factors)) and list(wo._cache) == held
+    np.testing.assert_array_equal(factors[3], l2_factor(dequantize_tensor(tensor, smollm2), hq))
+    assert wo.nbytes == 3 * one + 30 * factor
     eng = Engine(smollm2_model, 64, max_tokens=600, chunk=64, n_threads=THREADS)
     eng.prefill(smollm2_model.tokenize(prose)[:300])
     s = eng.stats
-    assert s.compression_events >= 1 and s.wo_cache_bytes == eng._wo.nbytes == 30 * one
+    # the engine's L2 norms (the default) read the factors: made with the engine, for every layer
+    assert s.compression_events >= 1 and s.wo_cache_bytes == eng._wo.nbytes == 30 * one + 30 * factor
     assert 0 < s.host_bytes_peak < 4 * s.kv_bytes_allocated
 
 

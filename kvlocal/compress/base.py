@@ -109,6 +109,10 @@ class LayerInputs:
     rows : RowSource, optional
         Where ``k`` is None: how the rows come to the host on demand (the native backend copies only the
         rows a scorer reads, e.g. the ones a merge combines).
+    wo_l2 : np.ndarray, optional
+        ``[min(d, D), Hq*d]`` float32: ``wo``'s factor for L2 value norms
+        (:func:`kvlocal.compress.criticalkv.l2_factor`), where an engine keeps it: CriticalKV with
+        ``value_norm="l2"`` reads it in place of ``wo``, which may then be None (the same norms).
     """
 
     k: np.ndarray
@@ -125,6 +129,7 @@ class LayerInputs:
     votes: np.ndarray | None = None
     groups: np.ndarray | None = None
     rows: "RowSource | None" = None
+    wo_l2: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.pos = np.asarray(self.pos, dtype=np.int64)

@@ -142,15 +142,21 @@ class CriticalKV(Scorer):
 
     def norm_weights(self, layer: LayerInputs) -> tuple[np.ndarray | None, int]:
         """The matrix the value norms are computed through, and p: ``layer.wo`` for L1, its :func:`l2_factor`
-        for L2 (:func:`shared_l2_factor`: the engine hands each layer the same array at every event)."""
+        for L2 (``layer.wo_l2`` where given, else :func:`shared_l2_factor`); None where the inputs have neither."""
         p = VALUE_NORMS[self.value_norm]
+        if p == 2 and layer.wo_l2 is not None:
+            return layer.wo_l2, p
         return (layer.wo if p == 1 or layer.wo is None else shared_l2_factor(layer.wo, layer.n_head)), p
+
+    def has_norm_weights(self, layer: LayerInputs) -> bool:
+        """Whether ``layer`` brings what :meth:`norm_weights` reads (without computing a factor)."""
+        return layer.wo is not None or (self.value_norm == "l2" and layer.wo_l2 is not None)
 
     def score(self, layer: LayerInputs) -> np.ndarray:
         return self.press.score(layer)
 
     def rerank(self, layer: LayerInputs, scores: np.ndarray, budgets: np.ndarray) -> np.ndarray:
-        if (layer.wo is None and layer.v is not None) or layer.q is None:
+        if (not self.has_norm_weights(layer) and layer.v is not None) or layer.q is None:
             raise ValueError(f"layer {layer.layer}: CriticalKV needs wo (o_proj weight [D, Hq*d]) and q (for Hq)")
         scores = np.asarray(self.press.rerank(layer, scores, budgets), dtype=np.float32)
         crit = scores.copy()  # +inf / -inf cells keep their score whatever their norm

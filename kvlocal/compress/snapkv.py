@@ -81,7 +81,7 @@ def fused_keep(snap: SnapKV, layer: LayerInputs, budget: int, critical=None) -> 
     grouped = layer.groups is not None and (layer.groups >= 0).any()
     if (not FUSED or type(snap) is not SnapKV or not native_scoring() or layer.q is None or grouped
             or (layer.k is None and layer.votes is None)
-            or (critical is not None and layer.wo is None and layer.v is not None)):
+            or (critical is not None and not critical.has_norm_weights(layer) and layer.v is not None)):
         return None
     w = snap.window_size
     vnorm, (wo, p) = None, (None, 1)

@@ -58,7 +58,10 @@ class StateBackend(KVBackend):
                 pos=read.true[i],  # [Hkv, n], -1 for the empty rows of a head
                 q=basis.queries(q[i]),  # in the keys' basis
                 q_pos=q_pos,
-                wo=self.wo[il] if self.wo is not None else None,
+                # L2 value norms read W_O's factor, kept for every layer: W_O itself, dequantized again at every
+                # event where it does not stay in the cache (a large model's), is then not read
+                wo=self.wo[il] if self.wo is not None and self.norm_p != 2 else None,
+                wo_l2=self.wo.l2_factor(il, q[i].shape[0]) if self.wo is not None and self.norm_p == 2 else None,
                 layer=il,
                 n_sink=n_sink,
                 recent=recent,  # the probe is not cached: protect the most recent rows instead

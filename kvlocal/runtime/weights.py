@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvlocal.compress.criticalkv import l2_factor
 from kvlocal.errors import UsageError
 from kvlocal.models.gguf_file import dequantize_tensor, read_gguf
 
@@ -21,18 +22,27 @@ class OutputProjections:
     """W_O of a model's layers as float32 ``[D, Hq*d]`` (HF layout), dequantized on demand and kept in a
     least-recently-used cache of at most ``max_bytes``: all layers of a small model (SmolLM2: 38 MiB),
     a few of a large one (an 8B model's 32 layers would take 2 GiB, more than the KV cache they save)
-    — the others are dequantized again at each event that needs them. Thread-safe; shared by the
-    engines of one process (:func:`output_projections`)."""
+    — the others are dequantized again at each event that needs them. Their factors for L2 value norms
+    (:meth:`l2_factor`, d/D of W_O: 2 MiB a layer of an 8B model) are kept for every layer. Thread-safe;
+    shared by the engines of one process (:func:`output_projections`)."""
 
     def __init__(self, path: str, max_bytes: int = WO_CACHE_BYTES):
         self.path, self.max_bytes = path, int(max_bytes)
         self._tensors = {t.name: t for t in read_gguf(path).tensors}
         self._cache: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+        self._factors: dict[tuple[int, int], np.ndarray] = {}  # (layer, Hq) -> l2_factor of its W_O
         self._lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self._cache.values())
+        """The W_O held and the factors."""
+        return sum(a.nbytes for a in self._cache.values()) + sum(a.nbytes for a in self._factors.values())
+
+    def fits(self, layers) -> bool:
+        """Whether the float32 W_O of all these layers fit in the cache together (then each is dequantized once)."""
+        names = [f"blk.{il}.attn_output.weight" for il in layers]
+        return all(n in self._tensors for n in names) and \
+            sum(4 * int(np.prod(self._tensors[n].shape)) for n in names) <= self.max_bytes
 
     def __getitem__(self, il: int) -> np.ndarray:
         with self._lock:
@@ -45,9 +55,22 @@ class OutputProjections:
         wo = dequantize_tensor(self._tensors[name], self.path)
         with self._lock:
             self._cache[il] = wo
-            while len(self._cache) > 1 and self.nbytes > self.max_bytes:
+            while len(self._cache) > 1 and sum(a.nbytes for a in self._cache.values()) > self.max_bytes:
                 self._cache.popitem(last=False)
         return wo
+
+    def l2_factor(self, il: int, n_head: int) -> np.ndarray:
+        """Layer ``il``'s :func:`~kvlocal.compress.criticalkv.l2_factor` (``n_head`` query heads), computed once:
+        what CriticalKV's L2 value norms read in place of W_O (``LayerInputs.wo_l2``). An 8B model's W_O does not
+        stay in the cache, and its factor was computed again with it at every event (0.1 s a layer)."""
+        key = (il, n_head)
+        with self._lock:
+            factor = self._factors.get(key)
+        if factor is None:
+            factor = l2_factor(self[il], n_head)
+            with self._lock:
+                factor = self._factors.setdefault(key, factor)
+        return factor
 
 
 @functools.lru_cache(maxsize=4)
