@@ -613,7 +613,7 @@ def test_cli_rejects_bad_input_with_one_line(smollm2, prompt_file):
 
 FIELDS = {"text": str, "prompt_tokens": int, "generated_tokens": int, "method": str, "budget": str, "n_ctx": int,
           "kv_bytes_allocated": int, "kv_cells_live_peak": int, "compression_events": int,
-          "compression_seconds": float, "prefill_seconds": float, "decode_seconds": float}
+          "compression_seconds": float, "setup_seconds": float, "prefill_seconds": float, "decode_seconds": float}
 
 
 def test_cli_json_and_dump_plan(smollm2, smollm2_model, prompt_file, tmp_path):

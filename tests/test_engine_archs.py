@@ -251,7 +251,8 @@ def scorer_inputs(eng: RecordingEngine, ref, at_event: dict, method: str) -> dic
         unshifted = np.take_along_axis(x.k, order[..., None], axis=1)
         out["k_shifted"] = min(out["k_shifted"], rel_err(unshifted, shifted))
         mine = LayerInputs(k=k, v=v, pos=x.pos_h.copy(), q=q.astype(np.float32), q_pos=x.q_pos,
-                           wo=None if x.wo is None else ref.layers[il].attention.wo.weight.numpy(),
+                           # (L2 norms: the engine's scorer read W_O's factor, x.wo_l2; it factors the reference's)
+                           wo=None if x.wo is None and x.wo_l2 is None else ref.layers[il].attention.wo.weight.numpy(),
                            layer=il, n_sink=N_SINK, recent=WINDOW)
         theirs = eng.scorer.inner.keep(mine, BUDGET)
         kept = ev.plan.keep[j]

@@ -169,6 +169,8 @@ def run(args) -> int:
     row("n_ctx (cells)", f"{full['n_ctx']:,}", [f"{runs[b]['n_ctx']:,}" for b in backends])
     row("decode tokens/s", f"{full['decode_tok_s']:.1f}", [f"{runs[b]['decode_tok_s']:.1f}" for b in backends])
     row("  ratio to full", "", [f"{res[b]['decode_speedup']:.2f}x" for b in backends], ">= 2.5x")
+    row("engine setup seconds", f"{full['setup_seconds']:.2f}", [f"{runs[b]['setup_seconds']:.2f}" for b in backends],
+        "once per model: not in TTFT")
     row("prefill seconds (TTFT)", f"{full['prefill_seconds']:.2f}", [f"{runs[b]['prefill_seconds']:.2f}" for b in backends])
     row("compression seconds", "", [f"{runs[b]['compression_seconds']:.2f}" for b in backends])
     row("  share of prefill", "", [f"{100 * res[b]['compression_over_prefill']:.1f}%" for b in backends], "<= 5%")

@@ -71,6 +71,7 @@ class EngineStats:
     observations_moved: int = 0  # events scored by an earlier probe decode's queries, moved by RoPE (observe_every)
     observations_kept: int = 0  # decode-time events scored by the queries their probe's tokens had (decode_observe)
     observations_window: int = 0  # prompt events scored by their chunk's own last tokens (prefill_observe="window")
+    setup_seconds: float = 0.0  # making the engine, its model loaded: llama.cpp's context, W_O's factors (once per model)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     repositions: int = 0  # times an endless session moved its positions back into the trained range

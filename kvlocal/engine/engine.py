@@ -128,6 +128,7 @@ class Engine(Reselection, Observing):
             raise UsageError(f"--method {method} needs kvlocal's patched llama.cpp (a per-head attention bias, "
                              f"patch 0006); this runtime is stock: run `python ggml_patches/build.py`")
         self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
+        made = time.perf_counter()  # (the engine's own setup, the model loaded)
         m = self.model
         self.backend = resolve_backend(backend, type_k, type_v, offloaded=m.n_gpu_layers != 0, recall=recall,
                                        head_dims=(m.arch.head_dim_k, m.arch.head_dim_v))
@@ -217,6 +218,7 @@ class Engine(Reselection, Observing):
                 raise UsageError("an endless session needs a compression method: --method full keeps every token")
             if self.ctx.n_ctx + self._recent_span + self.ctx.n_batch > m.n_ctx_train:
                 raise self._no_room(self.ctx.n_ctx)
+        self.stats.setup_seconds = time.perf_counter() - made
 
     def _no_room(self, cells: int) -> UsageError:
         m = self.model
