@@ -301,6 +301,23 @@ def test_wo_cache_is_bounded_and_reported(smollm2, smollm2_model, prose):
     assert 0 < s.host_bytes_peak < 4 * s.kv_bytes_allocated
 
 
+def test_bench_wo_times_both_ways_on_a_generated_model():
+    """tools/bench_wo (the W_O work of L2 value norms an event asks for) runs on the code as it is, on a GGUF it
+    writes itself: one row per way, one figure per event, the W_O cache smaller than the layers' W_O."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    r = subprocess.run([sys.executable, "-m", "tools.bench_wo", "--layers", "6", "--dim", "256", "--heads", "4",
+                        "--events", "2", "--cache-mib", "0.5"], cwd=Path(__file__).resolve().parents[1],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    head, *rows = r.stdout.splitlines()
+    assert head.startswith("6 layers, W_O 256 x 256 Q4_0, 4 query heads, W_O cache 0.5 MiB (2 MiB"), r.stdout
+    assert [row.split("  ")[1].split(" (")[0] for row in rows] == ["through W_O", "factors kept"], r.stdout
+    assert all(len(row.split(")")[-1].split()) == 2 for row in rows), r.stdout
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"recent": 0}, "recent must be a whole number >= 1"),
     ({"chunk": 0}, "chunk must be a whole number >= 1"),
