@@ -423,6 +423,21 @@ def test_profile_recall_times_every_part_of_a_swap(smollm2):
     assert "3 steps, 3 swapped" in r.stdout.splitlines()[0], r.stdout
 
 
+def test_probe_cost_measures_the_probe_beside_what_the_engine_counts(smollm2):
+    """tools/probe_cost (a probe decoded with a chunk: its marginal cost against the token share the engine counts as
+    ``observe``) runs on the runtime as it is and prints its three decodes and the comparison."""
+    r = subprocess.run([sys.executable, "-m", "tools.probe_cost", str(smollm2), "--cells", "64", "--chunk", "48",
+                        "--probe", "8", "--repeat", "1", "-t", "1"], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    head, decodes, cost = r.stdout.splitlines()
+    assert "64 cells held · chunk 48 · probe 8 · 1 repeats" in head, r.stdout
+    assert re.fullmatch(r"  chunk alone [\d.]+, with the probe [\d.]+, with its queries captured [\d.]+",
+                        decodes), r.stdout
+    assert re.fullmatch(r"  the probe's cost: tokens -?[\d.]+ \+ capture -?[\d.]+ = -?[\d.]+; counted by token share "
+                        r"[\d.]+ \(-?[\d.]+x\)", cost), r.stdout
+
+
 def test_profile_prefill_times_every_part_of_an_event(smollm2):
     """tools/profile_prefill (where a prompt's compression events spend their time, with their page faults) runs on
     the engine as it is, times each part it names, and its engine breakdown is the one `kvlocal bench` reports."""
