@@ -10,7 +10,7 @@ the state backend's reads and writes (in place: ``view.*``; through the state bl
 ``get_blob`` ...) and the tier's functions are wrapped by a wall clock and the process's minor page-fault
 count (``tools.parts``). Parts nest: ``_compress`` holds ``_read``, ``_plan`` and ``_apply``; ``_apply`` the
 backend's ``apply``, ``evicted`` and ``store_evicted``; the probe is decoded inside ``_decode_chunk``, with a
-chunk. Prints how long the engine took to make (the model loaded before: its one-time work, W_O's factors), the
+chunk. Prints how long the engine took to make (``EngineStats.setup_seconds``: its one-time work, W_O's factors), the
 engine's own breakdown (``EngineStats.compression_breakdown``, what ``kvlocal bench`` reports), then per part the
 seconds over the prompt, the calls and the faults. Figures of one run on one machine: compare parts with each
 other, or two runs made side by side.
@@ -50,10 +50,8 @@ def main(argv=None) -> None:
     model = Model(resolve(a.model))
     tokens = long_text(model, a.tokens)
     recall = not a.no_recall
-    t0 = time.perf_counter()
     eng = Engine(model, a.budget, "criticalkv", max_tokens=a.tokens + 64, n_threads=a.threads, backend=a.backend,
                  recall=recall, observe_every=4, low_water=0.75 if recall else 1.0)
-    made = time.perf_counter() - t0
     parts = Parts()
     parts.wrap_each(Engine, ENGINE_PARTS)
     for module, names in MODULE_PARTS:
@@ -68,7 +66,8 @@ def main(argv=None) -> None:
     s = eng.stats
     share = s.compression_seconds / s.prefill_seconds
     print(f"{model.path.name} · {len(tokens):,} tokens · {eng.kv.name} backend{' in place' if getattr(eng.kv, 'in_place', False) else ''} · recall {'on' if recall else 'off'} · "
-          f"engine made in {made:.2f} s · prefill {wall:.1f} s · compression {s.compression_seconds:.2f} s ({share:.1%}) in {s.compression_events} "
+          f"engine made in {eng.stats.setup_seconds:.2f} s · prefill {wall:.1f} s · "
+          f"compression {s.compression_seconds:.2f} s ({share:.1%}) in {s.compression_events} "
           f"events: " + ", ".join(f"{k} {v:.2f}" for k, v in s.compression_breakdown.items()))
     print(f"{'part':<20} {'seconds':>8} {'calls':>6} {'faults':>9}")
     for label in parts.by_time():

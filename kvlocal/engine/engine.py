@@ -174,7 +174,7 @@ class Engine(Reselection, Observing):
         # where events read and write the cache, and its record of each row's true position and count
         self.kv = make_backend(self.backend, self.ctx, self.layers, m.n_head_kv, self.head_dim, self.basis, self._wo,
                                norm_p(self.scorer))
-        self._prepare_wo(m.n_head)
+        self.kv.prepare()  # its one-time work for the model (W_O's factors), not the first event's
         # the recall tier: every row an event evicts, brought back by a later question (:meth:`recall`)
         if recall_span not in ("page", "row"):
             raise UsageError(f"recall_span {recall_span!r}: choose page or row")
@@ -427,20 +427,6 @@ class Engine(Reselection, Observing):
                 return self.ctx.decode(tokens, positions, logits)
         finally:
             self.capture.clear_stop()
-
-    def _prepare_wo(self, n_head: int) -> None:
-        """The first event's one-time work done now, as llama.cpp repacks weights when a model loads, where the
-        host scores (the state backend): every compressed layer's factor of W_O for L2 value norms
-        (:meth:`~kvlocal.runtime.weights.OutputProjections.l2_factor`), or for L1 W_O itself where all layers fit in
-        the W_O cache. Once per model in a process (the engines of a server or an eval share them)."""
-        if self._wo is None or self.kv.name != "state":
-            return
-        if norm_p(self.scorer) == 2:
-            for il in self.layers:
-                self._wo.l2_factor(il, n_head)
-        elif self._wo.fits(self.layers):
-            for il in self.layers:
-                self._wo[il]  # dequantized into the cache
 
     def _note_live(self) -> None:
         self.stats.kv_cells_live = len(self.kv.positions())

@@ -152,6 +152,10 @@ class KVBackend:
         self.host_kv_bytes = 0
         self.host_bytes_peak = 0
 
+    def prepare(self) -> None:
+        """The backend's one-time work for the model, done when the engine is made instead of at its first event
+        (as llama.cpp repacks weights when a model loads); none by default."""
+
     # -- one event ----------------------------------------------------------------------------------
     def read(self) -> CacheRead:
         """The cells as they are now, with each row's record."""

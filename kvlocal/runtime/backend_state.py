@@ -37,6 +37,19 @@ class StateBackend(KVBackend):
         """Whether events read and write the cache where it lies (else through the state blob)."""
         return self.view is not None
 
+    def prepare(self) -> None:
+        """W_O's factor for L2 value norms of every compressed layer (what :meth:`layer_inputs` hands the scorers), or
+        for L1 W_O itself where all layers fit the W_O cache: once per model in a process (the engines of a server or
+        an eval share them)."""
+        if self.wo is None:
+            return
+        if self.norm_p == 2:
+            for il in self.layers:
+                self.wo.l2_factor(il, self.ctx.model.n_head)
+        elif self.wo.fits(self.layers):
+            for il in self.layers:
+                self.wo[il]  # dequantized into the cache
+
     def read(self) -> CacheRead:
         if self.view is not None:
             cells, pos = self.ctx.cells()

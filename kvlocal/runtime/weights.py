@@ -36,7 +36,11 @@ class OutputProjections:
     @property
     def nbytes(self) -> int:
         """The W_O held and the factors."""
-        return sum(a.nbytes for a in self._cache.values()) + sum(a.nbytes for a in self._factors.values())
+        return self._wo_bytes() + sum(a.nbytes for a in self._factors.values())
+
+    def _wo_bytes(self) -> int:
+        """The W_O held (what ``max_bytes`` bounds)."""
+        return sum(a.nbytes for a in self._cache.values())
 
     def fits(self, layers) -> bool:
         """Whether the float32 W_O of all these layers fit in the cache together (then each is dequantized once)."""
@@ -55,7 +59,7 @@ class OutputProjections:
         wo = dequantize_tensor(self._tensors[name], self.path)
         with self._lock:
             self._cache[il] = wo
-            while len(self._cache) > 1 and sum(a.nbytes for a in self._cache.values()) > self.max_bytes:
+            while len(self._cache) > 1 and self._wo_bytes() > self.max_bytes:
                 self._cache.popitem(last=False)
         return wo
 
