@@ -438,6 +438,22 @@ def test_probe_cost_measures_the_probe_beside_what_the_engine_counts(smollm2):
                         r"[\d.]+ \(-?[\d.]+x\)", cost), r.stdout
 
 
+def test_recall_bounds_measures_the_page_bounds_against_the_exact_logits(smollm2):
+    """tools/recall_bounds (how many of the rows a re-selection's queries attend to most the page bounds' candidates
+    hold, and the attention mass the bounds allow against the exact one) runs on the engine as it is: candidates of
+    more budgets are more pages in the same order, so they hold at least as many of those rows; a bound is a bound,
+    so the mass it allows is at least the exact one."""
+    r = subprocess.run([sys.executable, "-m", "tools.recall_bounds", str(smollm2), "--tokens", "700", "--steps", "2",
+                        "--top", "16", "-t", "1"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    head, _, *budgets, mass = r.stdout.splitlines()
+    assert re.search(r"700 tokens read · head budget \d+ · 3 re-selections", head), r.stdout
+    shares = [float(re.search(r"\): ([\d.]+) \(", line)[1]) for line in budgets]
+    assert len(shares) == 3 and 0 <= shares[0] <= shares[1] <= shares[2] <= 1, r.stdout
+    bound, exact = (float(x) for x in re.search(r"by the page bounds ([\d.e+-]+|inf), exactly ([\d.e+-]+)", mass).groups())
+    assert bound >= exact >= 0, r.stdout
+
+
 def test_profile_prefill_times_every_part_of_an_event(smollm2):
     """tools/profile_prefill (where a prompt's compression events spend their time, with their page faults) runs on
     the engine as it is, times each part it names, and its engine breakdown is the one `kvlocal bench` reports."""

@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import threading
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -152,12 +153,14 @@ class LayerInputs:
             if self.q.ndim != 3 or self.q.shape[2] != d or self.q.shape[0] % hkv or self.q.shape[1] != len(self.q_pos):
                 raise ValueError(f"layer {self.layer}: q {self.q.shape} must be [Hq, w, {d}] with Hq a multiple of "
                                  f"{hkv} and w = len(q_pos) = {len(self.q_pos)}")
-        if (self.pos < EMPTY).any():
+        if self.pos.size and self.pos.min() < EMPTY:
             raise ValueError(f"layer {self.layer}: positions must be >= 0, or -1 for an empty row")
         if self.bias is not None:
             self.bias = np.ascontiguousarray(np.broadcast_to(self.bias, (hkv, n)), dtype=np.float32)
-            if np.isnan(self.bias).any() or np.isposinf(self.bias).any() or \
-                    not np.array_equal(np.isneginf(self.bias), self.pos_h < 0):
+            # finite exactly where live, and the others -inf (not NaN or +inf): two passes, the rows of an answer
+            # step's union are checked for every layer at every swap
+            empty = self.pos_h < 0
+            if not np.array_equal(np.isfinite(self.bias), ~empty) or not (self.bias[empty] == -np.inf).all():
                 raise ValueError(f"layer {self.layer}: bias must be finite (log(count)) for live rows and -inf "
                                  "exactly for the empty rows (pos -1)")
         if self.vnorm is not None and (self.vnorm.shape != (hkv, n) or self.vnorm.dtype != np.float32):
@@ -474,11 +477,29 @@ def plan_layers(scorer: Scorer, layers: Iterable[LayerInputs], budget: int, work
             positions.append(layer.pos_h)
         return Plan.from_layers(plans, positions)
     pending: collections.deque = collections.deque()
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    pool = _planning_pool(workers)
+    try:
         for layer in layers:
             if len(pending) == 2 * workers:
                 plans.append(pending.popleft().result())
             pending.append(pool.submit(scorer.plan_layer, layer, budget))
             positions.append(layer.pos_h)
         plans.extend(f.result() for f in pending)
+    finally:  # an error: the layers already queued finish before it propagates (their inputs alias the cache)
+        concurrent.futures.wait(pending)
     return Plan.from_layers(plans, positions)
+
+
+_POOLS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _planning_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that plan layers, kept for the process (one pool per worker count): an answer step plans
+    every layer at each swap, and starting the threads again each time cost ~1.5 ms of its ~60 (SmolLM2).
+    Calls from several threads (a server's engines) share it: each waits only for its own layers."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = _POOLS[workers] = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kvlocal-plan")
+        return pool

@@ -177,25 +177,28 @@ class Plan:
         if not shared and len(pos) != len(layers):
             raise ValueError(f"positions given for {len(pos)} layers, plans for {len(layers)}")
         width = max((lp.keep.shape[1] for lp in layers), default=0)
-        keep, positions, counts, merges = [], [], [], []
-        for il, lp in enumerate(layers):
-            k = np.asarray(lp.keep, dtype=np.int64)
-            pad = width - k.shape[1]
-            if pad:
-                k = np.pad(k, ((0, 0), (pad, 0)), constant_values=EMPTY)
-            p = np.asarray(pos if shared else pos[il], dtype=np.int64)
-            p = np.broadcast_to(p, (k.shape[0], p.shape[-1]))
-            keep.append(k)
-            positions.append(np.where(k >= 0, np.take_along_axis(p, np.maximum(k, 0), axis=1), EMPTY))
-            c = (k >= 0).astype(np.int64) if lp.counts is None else lp.counts
-            if pad and lp.counts is not None:
-                c = np.pad(c, ((0, 0), (pad, 0)))
-            counts.append(c)
-            merges.append(None if lp.merges is None else
-                          [dict(m, slots=m["slots"] + pad) for m in map(merge_arrays, lp.merges)])
+        pads = [width - lp.keep.shape[1] for lp in layers]
+        keep = [np.pad(k, ((0, 0), (pad, 0)), constant_values=EMPTY) if pad else k
+                for k, pad in zip((np.asarray(lp.keep, dtype=np.int64) for lp in layers), pads)]
+        per_layer = [np.asarray(pos if shared else pos[il], dtype=np.int64) for il in range(len(layers))]
+        per_layer = [np.broadcast_to(p, (k.shape[0], p.shape[-1])) for p, k in zip(per_layer, keep)]
+        if keep and len({p.shape for p in per_layer}) == 1 and len({k.shape for k in keep}) == 1:
+            # every layer's cells alike (an event's): one gather for all layers, not one per layer
+            keep = np.stack(keep)
+            at = (per_layer[0][0][np.maximum(keep, 0)] if shared else
+                  np.take_along_axis(np.stack(per_layer), np.maximum(keep, 0), axis=2))
+            positions = np.where(keep >= 0, at, EMPTY)
+        else:
+            positions = [np.where(k >= 0, np.take_along_axis(p, np.maximum(k, 0), axis=1), EMPTY)
+                         for k, p in zip(keep, per_layer)]
         any_counts = any(lp.counts is not None for lp in layers)
+        counts = [(k >= 0).astype(np.int64) if lp.counts is None else
+                  np.pad(lp.counts, ((0, 0), (pad, 0))) if pad else lp.counts
+                  for k, lp, pad in zip(keep, layers, pads)] if any_counts else None
+        merges = [None if lp.merges is None else [dict(m, slots=m["slots"] + pad) for m in map(merge_arrays, lp.merges)]
+                  for lp, pad in zip(layers, pads)]
         any_merges = any(m is not None for m in merges)
-        return cls(keep=keep, positions=positions, counts=counts if any_counts else None,
+        return cls(keep=keep, positions=positions, counts=counts,
                    merges=merges if any_merges else None)
 
     @classmethod
