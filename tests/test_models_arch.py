@@ -273,8 +273,10 @@ def test_decode_time_events_are_scored_by_the_question_and_the_reply(smollm2_mod
 
 
 def test_wo_cache_is_bounded_and_reported(smollm2, smollm2_model, prose):
-    """CriticalKV's dequantized W_O is kept per layer in a bounded LRU cache, its factors for L2 norms for every layer
-    (W_O is not read again for them); the engine reports their bytes."""
+    """CriticalKV's dequantized W_O is kept per layer in a bounded cache — the first layers that fit, not the most
+    recent: an event reads the layers in order, and a pass over every layer twice hits the kept ones the second time
+    (a least-recently-used cache would hit none) — its factors for L2 norms for every layer (W_O is not read again
+    for them); the engine reports their bytes."""
     from kvlocal.compress.criticalkv import l2_factor
     from kvlocal.runtime.weights import OutputProjections
     from kvlocal.models.gguf_file import dequantize_tensor, read_gguf
@@ -284,7 +286,8 @@ def test_wo_cache_is_bounded_and_reported(smollm2, smollm2_model, prose):
     for il in range(smollm2_model.n_layer):
         assert wo[il].shape == (576, 576)
         assert wo.nbytes <= 3 * one
-    assert wo.nbytes == 3 * one and sorted(wo._cache) == [27, 28, 29]  # the three most recently used
+    assert wo.nbytes == 3 * one and sorted(wo._cache) == [0, 1, 2]  # the first three
+    assert [wo[il] is wo[il] for il in range(smollm2_model.n_layer)] == [True] * 3 + [False] * 27  # hits, the rest read
     tensor = next(t for t in read_gguf(smollm2).tensors if t.name == "blk.3.attn_output.weight")
     np.testing.assert_array_equal(wo[3], dequantize_tensor(tensor, smollm2))  # dequantized again on demand
     hq, factor = smollm2_model.n_head, 64 * 576 * 4  # a factor is [d, Hq*d] float32

@@ -5,7 +5,7 @@
 
 Writes a GGUF of ``--layers`` random Q4_0 ``attn_output`` tensors (``--dim`` square) to a temporary folder, then reads
 every layer's factor for L2 norms as an event does, ``--events`` times, two ways: through W_O
-(``OutputProjections[il]``, the least-recently-used W_O cache of ``--cache-mib``, then ``shared_l2_factor``, which
+(``OutputProjections[il]``, the W_O cache of ``--cache-mib`` (the first layers that fit), then ``shared_l2_factor``, which
 keeps a factor as long as its W_O array lives: what the state backend did before the factors were kept), and
 ``OutputProjections.l2_factor`` (each layer's factor kept: what it does now). Prints seconds per event. The timings do
 not depend on the weights' values.

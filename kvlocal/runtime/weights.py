@@ -4,7 +4,6 @@ through here; the native backend reads W_O on the device instead (``llama_kv_sco
 
 from __future__ import annotations
 
-import collections
 import functools
 import threading
 from pathlib import Path
@@ -20,16 +19,18 @@ WO_CACHE_BYTES = 256 << 20  # the most float32 W_O kvlocal keeps per model file 
 
 class OutputProjections:
     """W_O of a model's layers as float32 ``[D, Hq*d]`` (HF layout), dequantized on demand and kept in a
-    least-recently-used cache of at most ``max_bytes``: all layers of a small model (SmolLM2: 38 MiB),
-    a few of a large one (an 8B model's 32 layers would take 2 GiB, more than the KV cache they save)
-    — the others are dequantized again at each event that needs them. Their factors for L2 value norms
+    cache of at most ``max_bytes``: all layers of a small model (SmolLM2: 38 MiB), the first that fit of a large
+    one (an 8B model's 32 layers would take 2 GiB, more than the KV cache they save) — the others are dequantized
+    again at each event that needs them. Once full the cache keeps what it holds: an event reads the layers in
+    order, so a least-recently-used cache smaller than the model would drop each layer before it is read again
+    and never hit (4 of an 8B model's 32 layers hit this way). Their factors for L2 value norms
     (:meth:`l2_factor`, d/D of W_O: 2 MiB a layer of an 8B model) are kept for every layer. Thread-safe;
     shared by the engines of one process (:func:`output_projections`)."""
 
     def __init__(self, path: str, max_bytes: int = WO_CACHE_BYTES):
         self.path, self.max_bytes = path, int(max_bytes)
         self._tensors = {t.name: t for t in read_gguf(path).tensors}
-        self._cache: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+        self._cache: dict[int, np.ndarray] = {}
         self._factors: dict[tuple[int, int], np.ndarray] = {}  # (layer, Hq) -> l2_factor of its W_O
         self._lock = threading.Lock()
 
@@ -51,16 +52,14 @@ class OutputProjections:
     def __getitem__(self, il: int) -> np.ndarray:
         with self._lock:
             if il in self._cache:
-                self._cache.move_to_end(il)
                 return self._cache[il]
         name = f"blk.{il}.attn_output.weight"
         if name not in self._tensors:
             raise UsageError(f"{Path(self.path).name} has no {name}: CriticalKV needs each layer's output projection")
         wo = dequantize_tensor(self._tensors[name], self.path)
-        with self._lock:
-            self._cache[il] = wo
-            while len(self._cache) > 1 and self._wo_bytes() > self.max_bytes:
-                self._cache.popitem(last=False)
+        with self._lock:  # kept if it fits (the first layer always, however large)
+            if not self._cache or self._wo_bytes() + wo.nbytes <= self.max_bytes:
+                self._cache.setdefault(il, wo)
         return wo
 
     def l2_factor(self, il: int, n_head: int) -> np.ndarray:
