@@ -8,6 +8,9 @@ near-tie of two different scores, which these inputs do not have.
 """
 
 import json
+import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -334,3 +337,27 @@ def test_layers_planned_on_threads_give_the_same_plan(method):
     for a, b in zip(cases, twins):
         np.testing.assert_array_equal(a.vnorm, b.vnorm)
     assert method == "kvslimmer" or not np.isnan(cases[0].vnorm).all()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_layers_planned_on_threads_in_a_forked_child():
+    """plan_layers keeps its threads for the process; a child forked after they started has none of them (a pool
+    inherited across the fork queues the layers and never runs them), so it starts its own: the child's plan is
+    the parent's. The child is given 60 s, then killed."""
+    cases = [make_case(seed=s)[0] for s in range(4)]
+    want = plan_layers(make_scorer("snapkv"), iter(cases), 40, workers=2).to_dict()  # the parent's threads
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 if it planned the same, 1 if not (no pytest in here)
+        same = False
+        try:
+            same = plan_layers(make_scorer("snapkv"), iter(cases), 40, workers=2).to_dict() == want
+        finally:
+            os._exit(0 if same else 1)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's plan did not finish in 60 s")
+    assert os.waitstatus_to_exitcode(done[1]) == 0

@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import os
 import threading
 from dataclasses import dataclass
 from typing import Iterable
@@ -492,6 +493,8 @@ def plan_layers(scorer: Scorer, layers: Iterable[LayerInputs], budget: int, work
 
 _POOLS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
+if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads: it starts its own pools
+    os.register_at_fork(after_in_child=_POOLS.clear)
 
 
 def _planning_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
