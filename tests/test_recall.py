@@ -415,12 +415,15 @@ def test_profile_recall_times_every_part_of_a_swap(smollm2):
     r = subprocess.run([sys.executable, "-m", "tools.profile_recall", str(smollm2), "--tokens", "700", "--steps", "3",
                         "-t", "1"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    # part -> calls
-    rows = {line[:20].strip(): int(line.split()[-1]) for line in r.stdout.splitlines()[2:] if line.strip()}
+    head, _, *table, scored = r.stdout.splitlines()
+    rows = {line[:20].strip(): int(line.split()[-1]) for line in table if line.strip()}  # part -> calls
     parts = ("_recall_step", "_reselect", "_plan", "_apply", "with_candidates", "choose_candidates", "store_evicted",
-             "evicted", "tier add")
+             "evicted", "tier add", "attention_keep")
     assert all(rows.get(p, 0) > 0 for p in parts), r.stdout  # each part ran in the 3 swaps
-    assert "3 steps, 3 swapped" in r.stdout.splitlines()[0], r.stdout
+    assert "3 steps, 3 swapped" in head, r.stdout
+    assert rows["attention_keep"] == 3 * 30, r.stdout  # the plan's kernel: once per layer and swap (SmolLM2: 30 layers)
+    per_swap = int(re.search(r"the plan scores ([\d,]+) rows a swap", scored)[1].replace(",", ""))
+    assert per_swap >= 30 * 3, r.stdout  # at least a row per layer and KV head
 
 
 def test_probe_cost_measures_the_probe_beside_what_the_engine_counts(smollm2):
@@ -450,7 +453,8 @@ def test_recall_bounds_measures_the_page_bounds_against_the_exact_logits(smollm2
     assert re.search(r"700 tokens read · head budget \d+ · 3 re-selections", head), r.stdout
     shares = [float(re.search(r"\): ([\d.]+) \(", line)[1]) for line in budgets]
     assert len(shares) == 3 and 0 <= shares[0] <= shares[1] <= shares[2] <= 1, r.stdout
-    bound, exact = (float(x) for x in re.search(r"by the page bounds ([\d.e+-]+|inf), exactly ([\d.e+-]+)", mass).groups())
+    numbers = re.search(r"by the page bounds ([\d.e+-]+|inf), exactly ([\d.e+-]+)", mass).groups()
+    bound, exact = (float(x) for x in numbers)
     assert bound >= exact >= 0, r.stdout
 
 

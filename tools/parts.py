@@ -1,12 +1,14 @@
 """Named parts of the engine timed by a wall clock, with the page faults each took, for the profiling tools
 (``tools.profile_recall``, ``tools.profile_prefill``). A part is wrapped where it is looked up: a method on its
 class, a module function in the module that calls it. Parts nest (an outer part's figures include its inner
-ones'), and the fault count is the process's, so work on other threads during a part counts in it."""
+ones'), and the fault count is the process's, so work on other threads during a part counts in it; a part that runs
+on several threads at once adds up their times."""
 
 from __future__ import annotations
 
 import collections
 import functools
+import threading
 import time
 
 try:
@@ -25,6 +27,7 @@ class Parts:
         self.seconds: dict = collections.defaultdict(float)
         self.calls: collections.Counter = collections.Counter()
         self.faults: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()  # parts may run on several threads at once (the layers' planning)
 
     def wrap(self, owner, name: str, label: str | None = None) -> None:
         """Replace ``owner.name`` (a plain method or function) by a wrapper that adds its wall time, a call and its
@@ -38,9 +41,10 @@ class Parts:
             try:
                 return f(*a, **kw)
             finally:
-                self.seconds[label] += time.perf_counter() - t0
-                self.calls[label] += 1
-                self.faults[label] += minor_faults() - f0
+                with self._lock:
+                    self.seconds[label] += time.perf_counter() - t0
+                    self.calls[label] += 1
+                    self.faults[label] += minor_faults() - f0
 
         setattr(owner, name, wrapper)
 

@@ -7,18 +7,20 @@ Reads ``--tokens`` of ``kvlocal bench``'s text with recall on (CriticalKV, budge
 decodes ``--steps`` answer tokens, each re-selecting the cache with its own query (``--step-confidence 1``,
 the default here: every step swaps, so every step is a sample). Each part of a swap is timed by wrapping the
 engine's and the tier's functions with a wall clock and the process's page-fault count (``tools.parts``); the
-table gives milliseconds and minor page faults per swap (parts nest:
-``_reselect`` holds ``with_candidates``, ``_plan`` and ``_apply``; the layers are planned on threads, so a part
-inside the plan is not timed separately). With ``--step-confidence`` below 1, ``_recall_step`` and ``_observe``
-also hold the decodes of the steps that kept theirs (divided by the swaps all the same). Figures of one run on one
-machine: compare parts with each other, or two runs made side by side.
+table gives milliseconds and minor page faults per swap (parts nest: ``_reselect`` holds ``with_candidates``,
+``_plan`` and ``_apply``; the layers are planned on threads, and ``attention_keep``, the plan's kernel, adds up their
+times; a last line says how many rows the plan scored a swap). With ``--step-confidence`` below 1,
+``_recall_step`` and ``_observe`` also hold the decodes of the steps that kept theirs (divided by the swaps all the
+same). Figures of one run on one machine: compare parts with each other, or two runs made side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import threading
 
 from kvlocal.cli.bench import QUESTION, long_text
+from kvlocal.compress import kernels
 from kvlocal.engine import Engine
 from kvlocal.models import resolve
 from kvlocal.recall.tier import HeadStore, HostTier
@@ -57,6 +59,8 @@ def main() -> None:
     parts.wrap_each(type(eng.kv), ("extend", "apply", "take_rows"), "kv.")
     parts.wrap(HeadStore, "rows_into", "tier rows_into")
     parts.wrap(HostTier, "add", "tier add")
+    parts.wrap(kernels, "attention_keep", "attention_keep")  # on the planning threads: their times added up
+    scored = count_rows_scored(type(eng.scorer))
     for _ in eng.generate(args.steps, stop_at_eog=False):
         pass
 
@@ -68,6 +72,23 @@ def main() -> None:
     for label in parts.by_time():
         print(f"{label:<20} {parts.seconds[label] * 1000 / swaps:>8.1f} {parts.faults[label] / swaps:>11,.0f} "
               f"{parts.calls[label]:>6}")
+    rows = scored[0] / swaps
+    print(f"the plan scores {rows:,.0f} rows a swap (the device's cells and the candidates, every layer and KV head): "
+          f"attention_keep {parts.seconds['attention_keep'] * 1e9 / max(1, scored[0]):.0f} ns a row, its threads' "
+          f"times added up")
+
+
+def count_rows_scored(scorer_class) -> list[int]:
+    """Count the rows (live or empty) of every layer ``scorer_class`` plans from now on: ``[rows]``, kept up to date."""
+    rows, lock, plan_layer = [0], threading.Lock(), scorer_class.plan_layer
+
+    def counted(self, layer, budget):
+        with lock:
+            rows[0] += layer.pos_h.size
+        return plan_layer(self, layer, budget)
+
+    scorer_class.plan_layer = counted
+    return rows
 
 
 if __name__ == "__main__":

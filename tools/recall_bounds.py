@@ -109,8 +109,9 @@ def main() -> None:
         c = np.array(out["coverage"][b])
         print(f"  {b} budget{'s' if b > 1 else ' '} ({b * eng.head_budget:,} rows, {b * eng.head_budget / off:.0%} of "
               f"them): {c.mean():.2f} (a tenth of the heads at or below {np.percentile(c, 10):.2f})")
+    bound, exact = (10 ** np.median(out[k]) for k in ("bound", "exact"))
     print(f"attention the rows off the device could take, against the device's (median over heads and "
-          f"re-selections): by the page bounds {10 ** np.median(out['bound']):.3g}, exactly {10 ** np.median(out['exact']):.3g}; "
+          f"re-selections): by the page bounds {bound:.3g}, exactly {exact:.3g}; "
           f"layers whose every head is below 0.1 exactly: {np.mean(out['layers_low']):.0%}")
 
 
