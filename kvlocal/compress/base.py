@@ -499,7 +499,7 @@ if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's t
 
 def _planning_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
     """The threads that plan layers, kept for the process (one pool per worker count): an answer step plans
-    every layer at each swap, and starting the threads again each time cost ~1.5 ms of its ~60 (SmolLM2).
+    every layer at each swap, and a pool started at each one showed its threads' start in a step's profile.
     Calls from several threads (a server's engines) share it: each waits only for its own layers."""
     with _POOLS_LOCK:
         pool = _POOLS.get(workers)
