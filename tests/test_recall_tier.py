@@ -324,3 +324,76 @@ def test_evicted_rows_are_the_device_rows_a_plan_drops_in_position_order(shuffle
                 mine = cells[heads == h]
                 assert sorted(mine.tolist()) == want
                 assert np.all(np.diff(true[l, h, mine]) > 0)
+
+
+def prefilter_reference(keys: np.ndarray, pos: np.ndarray, q: np.ndarray, kernel: int, n_keep: int) -> np.ndarray:
+    """The steps kvl_rows_prefilter stands for, in numpy: indices into ``keys`` ``[n, d]`` float32 of the ``n_keep``
+    best rows by their largest logit over ``q``, max-pooled over ``kernel`` neighbours in position order (ties to the
+    earlier position), in position order."""
+    order = np.argsort(pos, kind="stable")
+    score = (q.astype(np.float64) @ keys.astype(np.float64).T).max(axis=0)[order] if len(q) else \
+        np.full(len(pos), -np.inf)
+    padded = np.pad(score, kernel // 2, constant_values=-np.inf)
+    pooled = np.lib.stride_tricks.sliding_window_view(padded, kernel).max(axis=1)
+    best = np.lexsort((np.arange(len(pooled)), -pooled))[:n_keep]  # by score, then by position
+    return order[np.sort(best)]
+
+
+@pytest.mark.parametrize("level", ["generic", "avx2", "avx512"])
+def test_best_rows_are_the_numpy_steps(level):
+    # kvl_rows_prefilter (an answer step's candidates cut to the rows that can win, keys read where the tier keeps
+    # them) against its numpy steps, at every instruction set the CPU has: keys and queries of small integers, so
+    # that every logit is exact and ties are many (they go to the earlier position); rows in any order and from
+    # several chunks, heads of 8 values (no tail at 4 and 8 lanes, all tail at 16), kernel 1 and 7, n_keep from 0
+    # to past the rows
+    from kvlocal.compress import kernels
+
+    best_level = kernels.simd_level()
+    if kernels.SIMD_LEVELS.index(level) > kernels.SIMD_LEVELS.index(best_level):
+        pytest.skip(f"this CPU has no {level}")
+    rng = np.random.default_rng(21)
+    kernels.simd_level(level)
+    try:
+        for trial in range(30):
+            t = tier(1, 1)
+            s = t.heads[0][0]
+            n = int(rng.integers(1, 3 * CHUNK))
+            pos = rng.permutation(4 * n)[:n]
+            k = rng.integers(-3, 4, size=(n, D)).astype(np.float16)
+            t.reserve(np.array([[n]]))
+            t.add(0, 0, pos, k, k, k.astype(np.float32), np.full(n, np.nan, np.float32))
+            ids = rng.permutation(n)[:int(rng.integers(1, n + 1))]
+            q = rng.integers(-2, 3, size=(int(rng.integers(0, 5)), D)).astype(np.float32)
+            kernel, n_keep = int(rng.choice([1, 7])), int(rng.integers(0, len(ids) + 3))
+            got = s.best_rows(ids, q, n_keep, kernel, key_type=1)
+            want = ids[prefilter_reference(k[ids].astype(np.float32), s.pos[ids], q, kernel, n_keep)]
+            np.testing.assert_array_equal(got, want, err_msg=f"trial {trial}")
+    finally:
+        kernels.simd_level(best_level)
+
+
+def test_best_rows_read_a_quantized_cache_s_keys_as_it_decodes_them():
+    # a q8_0 cache's tier rows are its raw blocks: the prefilter decodes them as the cache's codec does (and refuses
+    # a type it cannot read, and an id past the store, in one line)
+    from kvlocal.runtime.kvquant import RowCodec
+
+    codec, d = RowCodec(8), 64
+    rng = np.random.default_rng(3)
+    n = 300
+    raw = codec.encode(rng.standard_normal((n, d)).astype(np.float32))
+    t = HostTier(1, 1, (np.uint8, (raw.shape[1],)), (np.uint8, (raw.shape[1],)), d, key_type=8)
+    s = t.heads[0][0]
+    t.reserve(np.array([[n]]))
+    t.add(0, 0, np.arange(n) * 3, raw, raw, codec.decode(raw), np.full(n, np.nan, np.float32))
+    q = rng.standard_normal((3, d)).astype(np.float32)
+    ids = rng.permutation(n)[:200]
+    got = s.best_rows(ids, q, 40, 7, key_type=8)
+    want = ids[prefilter_reference(codec.decode(raw[ids]), s.pos[ids], q, 7, 40)]
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="kvl_rows_prefilter"):
+        s.best_rows(ids, q, 40, 7, key_type=30)  # BF16: not read here
+    from kvlocal.compress.kernels import rows_prefilter
+
+    with pytest.raises(ValueError, match="kvl_rows_prefilter"):  # a row past the store's chunks
+        rows_prefilter(s._addresses()[0], CHUNK, 8, np.array([len(s.chunks) * CHUNK]), np.array([0]), q, 7, 1,
+                       raw.shape[1])
