@@ -38,6 +38,35 @@
 /* fewer rows than this, whose W_O read costs more than their arithmetic: compute ahead (step 3) */
 #define AHEAD_BELOW 32
 
+/* cells of one head in position order, stable (equal positions by index; empty rows, -1, first): order [n].
+ * An LSD radix sort on pos + 1, 11 bits a pass; scratch [n] ints. */
+static void position_order(const int * pos, int n, int * order, int * scratch) {
+    unsigned top = 0;
+    for (int j = 0; j < n; j++) {
+        order[j] = j;
+        top = (unsigned) (pos[j] + 1) > top ? (unsigned) (pos[j] + 1) : top;
+    }
+    int * src = order, * dst = scratch;
+    for (int shift = 0; shift == 0 || (shift < 32 && top >> shift); shift += 11) {
+        int count[2049] = { 0 };
+        for (int j = 0; j < n; j++) {
+            count[(((unsigned) (pos[src[j]] + 1)) >> shift & 2047) + 1]++;
+        }
+        for (int b = 0; b < 2048; b++) {
+            count[b + 1] += count[b];
+        }
+        for (int j = 0; j < n; j++) {
+            dst[count[((unsigned) (pos[src[j]] + 1)) >> shift & 2047]++] = src[j];
+        }
+        int * t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != order) {
+        memcpy(order, src, sizeof(int) * (size_t) n);
+    }
+}
+
 /* the norms of KV head g's rows[0..m) whose values are F16 cells v16 [n][n_kv][d]: converted (exactly) row by
  * row, only these, then as from float32 rows; out [m]. Returns 0, or -1 (out of memory). */
 static int vnorm_f16_rows(const unsigned short * v16, int n_kv, int g, int d, const float * wo, int ld, int group,
@@ -96,7 +125,7 @@ int kvl_attention_keep(const float * votes, const float * q, const int * q_pos, 
     int widest = 0;
     for (int g = 0; g < n_kv && rc == 0; g++) {
         const int * p = pos + (ptrdiff_t) g * n;
-        kvl_position_order(p, n, order, keys);
+        position_order(p, n, order, keys);
         int lo = INT32_MAX; /* the observation window: live cells at lo or later */
         if (recent >= 0) {
             lo = recent > 0 && n > 0 ? p[order[n - recent > 0 ? n - recent : 0]] : INT32_MAX;

@@ -99,19 +99,6 @@ int kvl_page_candidates(const float * q, int m, int d, const float * kmin, const
  * theirs. NaN propagates, as in numpy. Returns 0, or -1 on bad sizes. */
 int kvl_page_boxes(const float * keys, long long m, int d, long long first, int page, float * kmin, float * kmax);
 
-/* The cells of one head in position order, stable (equal positions by index; empty rows, -1, first): order [n]. An
- * LSD radix sort on pos + 1, 11 bits a pass; scratch [n] ints. */
-void kvl_position_order(const int * pos, int n, int * order, int * scratch);
-
-/* An answer step's candidates cut to the best n_keep (kernels/cpu/prefilter.c): ids [n] rows of a chunked store as
- * kvl_gather_rows reads them (chunks [n_chunks] the K chunks, rows row_bytes apart), each a key of d values stored as
- * key_type (0 F32, 1 F16, else a ggml quantized type kvl_dequant_rows reads), pos [n] their positions; q [m, d] the
- * queries in the keys' basis. A row's score is its largest logit max_j q_j.k, max-pooled (kernel, odd) over its
- * neighbours in position order among the n rows; the n_keep best (ties to the earlier position) go to out in
- * position order. Returns how many, or -1 on bad sizes, an id outside the chunks, a type it cannot read, or out of
- * memory. */
-int kvl_rows_prefilter(const unsigned char * const * chunks, long long n_chunks, long long chunk_rows, long long row_bytes, int key_type, const long long * ids, const int * pos, int n, const float * q, int m, int d, int kernel, int n_keep, long long * out);
-
 /* Instruction set of the scoring kernels above: 0 generic (SSE2 / NEON / scalar), 1 AVX2+FMA,
  * 2 AVX-512; the widest the CPU supports is used. cap >= 0 limits it (tests and benchmarks compare the
  * levels; process-wide, not thread-safe); cap < 0 only asks. Returns the level now in use. */

@@ -153,17 +153,6 @@ def observation_window(scorer: Scorer) -> int | None:
         scorer = getattr(scorer, "press", None)
     return None
 
-
-def pooling_kernel(scorer: Scorer) -> int:
-    """The kernel an attention scorer pools its scores with along positions (SnapKV's ``kernel_size``, through
-    wrappers), or 1 for a scorer that does not pool."""
-    while scorer is not None:
-        if hasattr(scorer, "kernel_size"):
-            return int(scorer.kernel_size)
-        scorer = getattr(scorer, "press", None)
-    return 1
-
-
 __all__ = [
     "BIAS_METHODS",
     "MERGING_METHODS",
@@ -190,7 +179,6 @@ __all__ = [
     "native_scoring",
     "norm_p",
     "observation_window",
-    "pooling_kernel",
     "plan_layers",
     "projected_value_norms",
     "select",

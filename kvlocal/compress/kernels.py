@@ -237,30 +237,6 @@ def page_candidates(q: np.ndarray, kmin: np.ndarray, kmax: np.ndarray, on_device
     return out[:count].astype(np.int64)
 
 
-def rows_prefilter(chunks: np.ndarray, chunk_rows: int, key_type: int, ids: np.ndarray, pos: np.ndarray,
-                   q: np.ndarray, kernel: int, n_keep: int, row_bytes: int) -> np.ndarray:
-    """The ``n_keep`` best of the rows ``ids`` of a chunked store (``chunks``, ``chunk_rows``: as :func:`gather_rows`;
-    keys of ``row_bytes`` bytes stored as ``key_type``: 0 F32, 1 F16, else the ggml quantized type), at positions
-    ``pos``, for the queries ``q`` ``[m, d]`` in the keys' basis: each row scored by its largest logit over the
-    queries, max-pooled over ``kernel`` neighbours in position order, ties to the earlier position. Their ids, in
-    position order (:func:`kvlocal.recall.select.choose_candidates`; the numpy steps it stands for are its test's
-    reference)."""
-    q = np.ascontiguousarray(q, dtype=np.float32)
-    ids = np.ascontiguousarray(ids, dtype=np.int64)
-    pos = np.ascontiguousarray(pos, dtype=np.int32)
-    if pos.shape != ids.shape or q.ndim != 2:
-        raise ValueError(f"rows_prefilter: ids {ids.shape}, pos {pos.shape}, q {q.shape}")
-    out = np.empty(max(len(ids), 1), dtype=np.int64)
-    count = lib.kvl_rows_prefilter(ffi.cast("unsigned char **", chunks.ctypes.data), len(chunks), chunk_rows, row_bytes,
-                                   key_type, _ptr(ids, "long long *"), _ptr(pos, "int *"), len(ids),
-                                   _ptr(q, "float *"), q.shape[0], q.shape[1], kernel, int(n_keep),
-                                   _ptr(out, "long long *"))
-    if count < 0:
-        raise ValueError("kvl_rows_prefilter failed (a row outside the store, a key type it cannot read, bad sizes, "
-                         "or out of memory)")
-    return out[:count]
-
-
 DEQUANT_BLOCK_BYTES = {8: 34, 2: 18, 3: 20, 6: 22, 7: 24}  # ggml type -> bytes of a block of 32 values
 
 

@@ -3,9 +3,9 @@ an event (``observing.py``; the queries' reuse: ``observation.py``), a question'
 (``reselect.py``), its budget, settings and figures (``config.py``), and Ctrl-C inside work that must not be cut in
 half (``interrupts.py``)."""
 
-from kvlocal.engine.config import DECODE_OBSERVATIONS, DECODE_OBSERVE, LOW_WATER, OBSERVE_EVERY, PREFILL_OBSERVATIONS, PREFILL_OBSERVE, RECALL_ROOM, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEP_SCORED, RECALL_STEPS, VALUE_NORM, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
+from kvlocal.engine.config import DECODE_OBSERVATIONS, DECODE_OBSERVE, LOW_WATER, OBSERVE_EVERY, PREFILL_OBSERVATIONS, PREFILL_OBSERVE, RECALL_ROOM, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS, VALUE_NORM, Budget, EngineConfig, EngineState, EngineStats, resolve_recall
 from kvlocal.engine.engine import AGNOSTIC_PROBE, Engine
 from kvlocal.engine.interrupts import interrupts_deferred
 
-__all__ = ["AGNOSTIC_PROBE", "DECODE_OBSERVATIONS", "DECODE_OBSERVE", "LOW_WATER", "OBSERVE_EVERY", "PREFILL_OBSERVATIONS", "PREFILL_OBSERVE", "RECALL_ROOM", "RECALL_STEP_CANDIDATES", "RECALL_STEP_CONFIDENCE", "RECALL_STEP_EVERY", "RECALL_STEP_SCORED", "RECALL_STEPS", "VALUE_NORM", "Budget", "Engine", "EngineConfig", "EngineState", "EngineStats", "interrupts_deferred",
+__all__ = ["AGNOSTIC_PROBE", "DECODE_OBSERVATIONS", "DECODE_OBSERVE", "LOW_WATER", "OBSERVE_EVERY", "PREFILL_OBSERVATIONS", "PREFILL_OBSERVE", "RECALL_ROOM", "RECALL_STEP_CANDIDATES", "RECALL_STEP_CONFIDENCE", "RECALL_STEP_EVERY", "RECALL_STEPS", "VALUE_NORM", "Budget", "Engine", "EngineConfig", "EngineState", "EngineStats", "interrupts_deferred",
            "resolve_recall"]

@@ -185,11 +185,6 @@ RECALL_CANDIDATES = 4.0
 # and an answer step, as a question (a step displaces at most that many of the question's rows). A quarter was
 # tried: 40% less step time, the same facts on the development chat, fewer on the reported eval (§ Choices)
 RECALL_STEP_CANDIDATES = RECALL_CANDIDATES
-# of an answer step's candidates, the rows scored with the method, as a multiple of the head budget: the best by their
-# own largest logit for the step's queries, max-pooled along positions (kernels/cpu/prefilter.c). The page bounds are
-# loose (four budgets hold ~90% of the rows a step attends to most, one ~45%), so four are taken, but only the rows
-# that can win join the cache being compressed (docs/recall.md § Choices). 0: every candidate
-RECALL_STEP_SCORED = 1.0
 # an answer step keeps the token's decode and swaps nothing when that decode, before any swap, already predicts the
 # next token with a probability above this (1.0: every step swaps); its query is held for the next step that swaps
 # (a swap serves the tokens after it). docs/recall.md § Choices: a turn at 3-5% of the prefill instead of 4-11%,

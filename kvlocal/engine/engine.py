@@ -57,14 +57,14 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, norm_p, observation_window, plan_layers
-from kvlocal.engine.config import DECODE_OBSERVE, OBSERVE_EVERY, PLAN_WORKERS, PREFILL_OBSERVE, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_STEP_SCORED, RECALL_ROOM, RECALL_STEP_EVERY, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_low_water, resolve_method_params, resolve_recall
+from kvlocal.engine.config import DECODE_OBSERVE, OBSERVE_EVERY, PLAN_WORKERS, PREFILL_OBSERVE, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_ROOM, RECALL_STEP_EVERY, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_low_water, resolve_method_params, resolve_recall
 from kvlocal.engine.interrupts import interrupts_deferred
 from kvlocal.engine.observation import Observations, Rope
 from kvlocal.engine.observing import Observing
 from kvlocal.engine.positions import reposition
 from kvlocal.engine.reselect import Reselection
 from kvlocal.errors import UsageError
-from kvlocal.recall import HostTier, evicted, readable_key_type, store_evicted
+from kvlocal.recall import HostTier, evicted, store_evicted
 from kvlocal.runtime import (CacheBasis, CacheLost, CacheRead, Context, Model, QueryCapture, Sampler, bytes_per_value,
                              has_attention_bias, kv_cache_bytes, make_backend, output_projections, pad_cells,
                              resolve_backend, row_format)
@@ -108,7 +108,6 @@ class Engine(Reselection, Observing):
         recall_candidates: float = RECALL_CANDIDATES,
         recall_steps: int = RECALL_STEPS,
         recall_step_candidates: float = RECALL_STEP_CANDIDATES,
-        recall_step_scored: float = RECALL_STEP_SCORED,
         recall_step_confidence: float = RECALL_STEP_CONFIDENCE,
         recall_step_every: int = RECALL_STEP_EVERY,
         recall_room: int = RECALL_ROOM,
@@ -186,11 +185,9 @@ class Engine(Reselection, Observing):
         if recall_steps < 0 or recall_step_every < 1:
             raise UsageError(f"recall_steps {recall_steps} must be >= 0 (0: only the question re-selects), "
                              f"recall_step_every {recall_step_every} >= 1")
-        # a step's tier candidates (× the budget), of which recall_step_scored join the union (the best by their own
-        # logit; 0: all); above the confidence a step keeps its decode unswapped, and so do the steps fewer than
-        # recall_step_every past the last swap
+        # a step's tier rows scored (× the budget); above the confidence a step keeps its decode unswapped, and so do
+        # the steps fewer than recall_step_every past the last swap
         self.recall_steps, self.recall_step_candidates = int(recall_steps), float(recall_step_candidates)
-        self.recall_step_scored = float(recall_step_scored)
         self.recall_step_confidence, self.recall_step_every = float(recall_step_confidence), int(recall_step_every)
         if recall_room < 0:
             raise UsageError(f"recall_room {recall_room} must be >= 0 (0: a re-selection keeps the budget's rows)")
@@ -199,7 +196,7 @@ class Engine(Reselection, Observing):
         self._held: tuple[list[np.ndarray], np.ndarray] | None = None  # the queries of kept steps, for the next swap
         self.tier = HostTier(len(self.layers), m.n_head_kv, row_format(type_k, m.arch.head_dim_k),
                              row_format(type_v, m.arch.head_dim_v), m.arch.head_dim_k, recall_mem,
-                             recall_dir, key_type=readable_key_type(type_k)) if recall else None
+                             recall_dir) if recall else None
         self._broken: str | None = None  # set when a failed rewrite lost the cache: nothing more may run
         self.n_past = 0  # next position
         self.logits: np.ndarray | None = None

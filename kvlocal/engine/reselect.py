@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvlocal.compress import observation_window, pooling_kernel
+from kvlocal.compress import observation_window
 from kvlocal.engine.config import step_keeps
 from kvlocal.engine.observation import joined
 from kvlocal.recall import choose_candidates, with_candidates
@@ -59,20 +59,18 @@ class Reselection:
         if kept:  # the token's own decode: no time of recall's
             self.stats.recall_steps_confident += 1
             return True
-        self._reselect(q, q_pos, self.recall_step_candidates, scored=self.recall_step_scored)
+        self._reselect(q, q_pos, self.recall_step_candidates)
         self.stats.recall_step_seconds += time.perf_counter() - t0
         return False
 
-    def _reselect(self, q: list[np.ndarray], q_pos: np.ndarray, candidates: float, pending: int = 0,
-                  scored: float = 0) -> int:
-        """Score the device cells and the tier's best candidates (``candidates`` × the head budget of rows by page
-        bound; of them, where ``scored`` > 0, that many × the budget by their own logit) for the observation ``q`` at
-        ``q_pos`` together, and swap; returns the rows brought back. Each head keeps the rows the context has room for
-        while the answer is written (:meth:`_recall_width`), ``pending``: tokens of the turn still to come."""
+    def _reselect(self, q: list[np.ndarray], q_pos: np.ndarray, candidates: float, pending: int = 0) -> int:
+        """Score the device cells and the tier's best candidates (``candidates`` × the head budget of rows) for
+        the observation ``q`` at ``q_pos`` together, and swap; returns the rows brought back. Each head keeps the
+        rows the context has room for while the answer is written (:meth:`_recall_width`), ``pending``: tokens
+        of the turn still to come."""
         w = observation_window(self.scorer) or len(q_pos)
         cands = choose_candidates(self.tier, [self.basis.queries(qi[:, -w:] * self._q_scale) for qi in q],
-                                  max(1, int(candidates * self.head_budget)), int(scored * self.head_budget),
-                                  pooling_kernel(self.scorer))
+                                  max(1, int(candidates * self.head_budget)))
         if cands.width == 0:
             return 0
         before = self.tier.rows_in

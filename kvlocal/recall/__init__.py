@@ -4,7 +4,7 @@ back the rows it needs (``select.py``: candidates by page bounds, then the confi
 scores over the device cells and the candidates together)."""
 
 from kvlocal.recall.select import Candidates, choose_candidates, evicted, store_evicted, with_candidates
-from kvlocal.recall.tier import CHUNK, PAGE, HostTier, Pool, TierFull, check_spill_dir, parse_size, readable_key_type
+from kvlocal.recall.tier import CHUNK, PAGE, HostTier, Pool, TierFull, check_spill_dir, parse_size
 
 __all__ = ["CHUNK", "PAGE", "Candidates", "HostTier", "Pool", "TierFull", "check_spill_dir", "choose_candidates",
-           "evicted", "parse_size", "readable_key_type", "store_evicted", "with_candidates"]
+           "evicted", "parse_size", "store_evicted", "with_candidates"]

@@ -38,23 +38,18 @@ class Candidates:
         return sum(len(i) for layer in self.ids for i in layer)
 
 
-def choose_candidates(tier: HostTier, q: list[np.ndarray], n_rows: int, best: int = 0, kernel: int = 7) -> Candidates:
+def choose_candidates(tier: HostTier, q: list[np.ndarray], n_rows: int) -> Candidates:
     """Per layer and KV head, the tier rows of the best pages by bound, until ``n_rows`` rows off the
-    device. ``q``: per compressed layer the observation queries ``[Hq, w, d]``, scaled and in the keys' basis
-    (query head ``h`` reads KV head ``h // G``). ``best`` > 0 (an answer step's): of those, only the ``best`` whose
-    keys the queries attend to most — each row's largest logit, max-pooled over ``kernel`` neighbours in position
-    order, read where the tier keeps it (:meth:`~kvlocal.recall.tier.HeadStore.best_rows`; where the tier cannot read
-    its keys, ``tier.key_type`` None, all of them)."""
+    device. ``q``: per compressed layer the observation queries ``[Hq, w, d]``, scaled and in the keys'
+    basis (query head ``h`` reads KV head ``h // G``)."""
     ids = []
     for layer, ql in zip(tier.heads, q):
         group = ql.shape[0] // len(layer)
         per_head = []
         for h, s in enumerate(layer):  # (HeadStore.page_bounds is the bound in numpy)
             q_head = ql[h * group:(h + 1) * group].reshape(-1, ql.shape[-1])
-            c = page_candidates(q_head, s.kmin, s.kmax, s.on_device[:s.n], PAGE, n_rows) if s.n else np.zeros(0, np.int64)
-            if 0 < best < len(c) and tier.key_type is not None:
-                c = s.best_rows(c, q_head, best, kernel, tier.key_type)
-            per_head.append(c)
+            per_head.append(page_candidates(q_head, s.kmin, s.kmax, s.on_device[:s.n], PAGE, n_rows) if s.n
+                            else np.zeros(0, np.int64))
         ids.append(per_head)
     return Candidates(ids, max((len(i) for layer in ids for i in layer), default=0))
 

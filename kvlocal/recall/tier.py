@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlocal.compress.kernels import DEQUANT_BLOCK_BYTES, gather_rows, page_boxes, rows_prefilter
+from kvlocal.compress.kernels import gather_rows, page_boxes
 from kvlocal.errors import UsageError
 
 PAGE = 16  # rows per page (Quest uses 16)
@@ -177,25 +177,13 @@ class HeadStore:
     def rows_into(self, ids: np.ndarray, k: np.ndarray | None, v: np.ndarray | None) -> None:
         """Copy K and V of the rows ``ids`` into ``k``/``v`` ``[len(ids), ...]`` (views: rows any stride apart;
         None: not that one)."""
-        for addr, out in zip(self._addresses(), (k, v)):
-            if out is not None:
-                gather_rows(addr, CHUNK, ids, out)
-
-    def _addresses(self) -> tuple[np.ndarray, np.ndarray]:
-        """The chunks' K and V addresses (``np.uintp``), for the kernels that read rows where they lie."""
         have = len(self._addr[0])
         if have != len(self.chunks):  # chunks are only ever added: so are their addresses
             new = [np.array([c[i].ctypes.data for c in self.chunks[have:]], np.uintp) for i in (0, 1)]
             self._addr = (np.append(self._addr[0], new[0]), np.append(self._addr[1], new[1]))
-        return self._addr
-
-    def best_rows(self, ids: np.ndarray, q: np.ndarray, n_keep: int, kernel: int, key_type: int) -> np.ndarray:
-        """The ``n_keep`` of the rows ``ids`` whose keys the queries ``q`` ``[m, key_dim]`` (in the keys' basis)
-        attend to most: each scored by its largest logit, max-pooled over ``kernel`` neighbours in position order
-        (:func:`~kvlocal.compress.kernels.rows_prefilter`, the keys read where they lie; ``key_type``: 0 F32, 1 F16,
-        else the cache's quantized ggml type). Their ids, in position order."""
-        row_bytes = self.row_k[0].itemsize * int(np.prod(self.row_k[1]))
-        return rows_prefilter(self._addresses()[0], CHUNK, key_type, ids, self.pos[ids], q, kernel, n_keep, row_bytes)
+        for addr, out in zip(self._addr, (k, v)):
+            if out is not None:
+                gather_rows(addr, CHUNK, ids, out)
 
     def values(self, ids: np.ndarray) -> np.ndarray:
         """V of the rows ``ids``: ``[m, ...]``, a copy."""
@@ -218,11 +206,10 @@ class HostTier:
 
     ``row_k``/``row_v``: ``(dtype, shape)`` of one cached row (the state backend's arrays: float16 ``(d,)``
     for an F16 cache, uint8 ``(bytes,)`` for a quantized one). ``mem_limit`` bytes of RAM (None: no limit),
-    then ``spill_dir`` (None: drop what does not fit). ``key_type``: the keys' ggml type where a kernel can read
-    them where they lie (F32, F16 or a quantized type: :meth:`HeadStore.best_rows`), else None."""
+    then ``spill_dir`` (None: drop what does not fit)."""
 
     def __init__(self, n_layer: int, n_head_kv: int, row_k: tuple, row_v: tuple, key_dim: int,
-                 mem_limit: int | None = None, spill_dir: str | os.PathLike | None = None, key_type: int | None = None):
+                 mem_limit: int | None = None, spill_dir: str | os.PathLike | None = None):
         row_k = (np.dtype(row_k[0]), tuple(row_k[1]))
         row_v = (np.dtype(row_v[0]), tuple(row_v[1]))
         self.row_bytes = row_k[0].itemsize * int(np.prod(row_k[1])) + row_v[0].itemsize * int(np.prod(row_v[1]))
@@ -230,7 +217,6 @@ class HostTier:
             raise UsageError(f"--recall-mem {mem_limit:,} bytes is below one block of the tier ({CHUNK} rows of "
                              f"{self.row_bytes} bytes): give at least {CHUNK * self.row_bytes:,}, or leave it out")
         self.pool = Pool(mem_limit, spill_dir)
-        self.key_type = key_type  # how a kernel reads the stored keys (HeadStore.best_rows); None: it does not
         self.heads = [[HeadStore(row_k, row_v, key_dim) for _ in range(n_head_kv)] for _ in range(n_layer)]
         self.dropped_rows = 0
         self.rows_out = 0  # rows that crossed from the device into the tier
@@ -432,12 +418,6 @@ class HostTier:
         self.heads[layer][head].on_device[ids] = on_device
         if on_device:
             self.rows_in += len(ids)
-
-
-def readable_key_type(t: int | None) -> int | None:
-    """A cache's K type (None: F16) as :meth:`HeadStore.best_rows` reads its rows, or None where it cannot."""
-    t = 1 if t is None else t
-    return t if t in (0, 1) or t in DEQUANT_BLOCK_BYTES else None
 
 
 def _slab(nbytes: int) -> np.ndarray:
