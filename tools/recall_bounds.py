@@ -25,11 +25,11 @@ import numpy as np
 
 from kvlocal.cli.bench import QUESTION, long_text
 from kvlocal.compress import observation_window
+from kvlocal.compress.kernels import page_candidates
 from kvlocal.engine import Engine
 from kvlocal.engine.reselect import Reselection
 from kvlocal.models import resolve
 from kvlocal.recall import PAGE
-from kvlocal.recall.select import page_candidates
 from kvlocal.runtime import Model
 
 BUDGETS = (1, 2, 4)
@@ -61,8 +61,8 @@ def measure(eng: Engine, q: list[np.ndarray], q_pos: np.ndarray, top: int, out: 
                 cands = page_candidates(qh, s.kmin, s.kmax, s.on_device[:s.n], PAGE, b * eng.head_budget)
                 out["coverage"][b].append(np.isin(best, cands).mean())
             log_device = np.log(np.exp(device - m[:, None]).sum(axis=1))
-            pages = np.unique(off // PAGE)
-            bounds = (np.maximum(qh, 0) @ s.kmax[pages].T + np.minimum(qh, 0) @ s.kmin[pages].T) / scale
+            pages = np.unique(off // PAGE)  # each query's bound on the pages holding a row off the device
+            bounds = np.stack([s.page_bounds(qj[None])[pages] for qj in qh]) / scale
             # log10 of the shares, the most any query gives (a bound's may pass what a float holds)
             out["bound"].append(float((np.logaddexp.reduce(np.log(PAGE) + bounds - m[:, None], axis=1)
                                        - log_device).max() / np.log(10)))
