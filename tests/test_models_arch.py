@@ -278,7 +278,7 @@ def test_wo_cache_is_bounded_and_reported(smollm2, smollm2_model, prose):
     (a least-recently-used cache would hit none) — its factors for L2 norms for every layer (W_O is not read again
     for them); the engine reports their bytes."""
     from kvlocal.compress.criticalkv import l2_factor
-    from kvlocal.runtime.weights import OutputProjections
+    from kvlocal.runtime.weights import OutputProjections, output_projections
     from kvlocal.models.gguf_file import dequantize_tensor, read_gguf
 
     one = 576 * 576 * 4  # SmolLM2: W_O is [576, 576] float32
@@ -296,11 +296,17 @@ def test_wo_cache_is_bounded_and_reported(smollm2, smollm2_model, prose):
     assert all(wo.l2_factor(il, hq) is f for il, f in enumerate(factors)) and list(wo._cache) == held
     np.testing.assert_array_equal(factors[3], l2_factor(dequantize_tensor(tensor, smollm2), hq))
     assert wo.nbytes == 3 * one + 30 * factor
+    fresh = OutputProjections(str(smollm2), max_bytes=3 * one)  # a factor made first keeps no W_O: L2 never reads it
+    assert fresh.l2_factor(3, hq).shape == factors[3].shape and fresh.nbytes == factor and not fresh._cache
+    shared = output_projections(str(smollm2_model.path))  # the process's, which engines share
+    held = shared._wo_bytes()  # (an earlier L1 engine's W_O in this process would be there)
     eng = Engine(smollm2_model, 64, max_tokens=600, chunk=64, n_threads=THREADS)
     eng.prefill(smollm2_model.tokenize(prose)[:300])
     s = eng.stats
-    # the engine's L2 norms (the default) read the factors: made with the engine, for every layer
-    assert s.compression_events >= 1 and s.wo_cache_bytes == eng._wo.nbytes == 30 * one + 30 * factor
+    # the engine's L2 norms (the default) read the factors, made with the engine for every layer, and keep no W_O
+    assert s.compression_events >= 1 and eng._wo is shared and s.wo_cache_bytes == shared.nbytes
+    assert sorted(shared._factors) == [(il, hq) for il in range(30)] and shared._wo_bytes() == held
+    assert shared.nbytes - held == 30 * factor
     assert 0 < s.host_bytes_peak < 4 * s.kv_bytes_allocated
 
 

@@ -137,9 +137,10 @@ class NativeBackend(KVBackend):
 
     def _vnorm(self, i: int, h: int, v: np.ndarray) -> np.ndarray:
         """CriticalKV's projected value norms of rows ``v`` (as the cache stores them) of KV head ``h`` in
-        compressed layer ``i``, on the host."""
-        wo = self.wo[self.layers[i]]  # [n_embd, Hq * d_v]
-        group = wo.shape[1] // self._hd_v // self.n_head_kv
+        compressed layer ``i``, on the host: L2 through W_O's d × d factor, as the state backend's (W_O is not read)."""
+        group = self.ctx.model.n_head // self.n_head_kv
+        il = self.layers[i]
+        wo = self.wo.l2_factor(il, self.ctx.model.n_head) if self.norm_p == 2 else self.wo[il]  # [n_embd or d, Hq * d_v]
         return kernels.vnorm(self.basis.values(v).astype(np.float32), wo, h * group, group, p=self.norm_p)
 
     def apply(self, read: CacheRead, plan: Plan) -> None:

@@ -23,8 +23,9 @@ class OutputProjections:
     one (an 8B model's 32 layers would take 2 GiB, more than the KV cache they save) — the others are dequantized
     again at each event that needs them. Once full the cache keeps what it holds: an event reads the layers in
     order, so a least-recently-used cache smaller than the model would drop each layer before it is read again
-    and never hit (4 of an 8B model's 32 layers hit this way). Their factors for L2 value norms
-    (:meth:`l2_factor`, d/D of W_O: 2 MiB a layer of an 8B model) are kept for every layer. Thread-safe;
+    and never hit (4 of an 8B model's 32 layers hit this way). L1 value norms read it; their factors for L2 value
+    norms (:meth:`l2_factor`, d/D of W_O: 2 MiB a layer of an 8B model) are kept for every layer, and the W_O read
+    to make them is not. Thread-safe;
     shared by the engines of one process (:func:`output_projections`)."""
 
     def __init__(self, path: str, max_bytes: int = WO_CACHE_BYTES):
@@ -50,6 +51,11 @@ class OutputProjections:
             sum(4 * int(np.prod(self._tensors[n].shape)) for n in names) <= self.max_bytes
 
     def __getitem__(self, il: int) -> np.ndarray:
+        return self._get(il, keep=True)
+
+    def _get(self, il: int, keep: bool) -> np.ndarray:
+        """Layer ``il``'s W_O from the cache, or dequantized — and kept if ``keep`` and it fits (the first layer
+        always, however large)."""
         with self._lock:
             if il in self._cache:
                 return self._cache[il]
@@ -57,20 +63,21 @@ class OutputProjections:
         if name not in self._tensors:
             raise UsageError(f"{Path(self.path).name} has no {name}: CriticalKV needs each layer's output projection")
         wo = dequantize_tensor(self._tensors[name], self.path)
-        with self._lock:  # kept if it fits (the first layer always, however large)
-            if not self._cache or self._wo_bytes() + wo.nbytes <= self.max_bytes:
+        with self._lock:
+            if keep and (not self._cache or self._wo_bytes() + wo.nbytes <= self.max_bytes):
                 self._cache.setdefault(il, wo)
         return wo
 
     def l2_factor(self, il: int, n_head: int) -> np.ndarray:
         """Layer ``il``'s :func:`~kvlocal.compress.criticalkv.l2_factor` (``n_head`` query heads), computed once:
         what CriticalKV's L2 value norms read in place of W_O (``LayerInputs.wo_l2``). An 8B model's W_O does not
-        stay in the cache, and its factor was computed again with it at every event (0.1 s a layer)."""
+        stay in the cache, and its factor was computed again with it at every event (0.1 s a layer). W_O read for a
+        factor is not kept: L2 norms never read it again (SmolLM2's 30 layers held 38 MiB of it, an 8B model's 256)."""
         key = (il, n_head)
         with self._lock:
             factor = self._factors.get(key)
         if factor is None:
-            factor = l2_factor(self[il], n_head)
+            factor = l2_factor(self._get(il, keep=False), n_head)
             with self._lock:
                 factor = self._factors.setdefault(key, factor)
         return factor
