@@ -185,3 +185,19 @@ def test_backends_side_by_side_on_a_quantized_cache(smollm2):
     assert_usage_error(run_cli("bench", str(smollm2), "--cache", "q3_k"), "--cache")
     for mode in ("--frontier", "--recall-cost", "--overhead"):  # they run on f16: refused, not ignored
         assert_usage_error(run_cli("bench", str(smollm2), mode, "--cache", "q8_0"), mode)
+
+
+def test_an_option_without_the_mode_that_reads_it_is_refused(smollm2):
+    """Every option only some modes read is refused without one of them, naming the mode to add: the plain side by
+    side ran a whole 8K bench with ``--contexts 10`` ignored. Refused before the model is read (no run starts)."""
+    from kvlocal.cli.bench import MODE_OPTIONS
+
+    given = {"--contexts": ["300"], "--configs": ["full"], "--plot": ["x.png"], "--step-confidence": ["1"],
+             "--step-every": ["2"], "--decode-observe": ["probe"], "--chunks": ["64"], "--observe-every": ["2"],
+             "--low-waters": ["0.5"], "--probes": ["generic"], "--prefill-observe": ["window"], "--value-norms": ["l1"]}
+    assert set(given) == set(MODE_OPTIONS)
+    for flag, values in given.items():
+        modes = MODE_OPTIONS[flag]
+        assert_usage_error(run_cli("bench", str(smollm2), flag, *values), f"add {' or '.join(modes)}")
+        other = next(m for m in ("--frontier", "--recall-cost", "--overhead") if m not in modes)  # another mode
+        assert_usage_error(run_cli("bench", str(smollm2), other, flag, *values), f"{flag} is an option of")

@@ -21,6 +21,7 @@ the budget; their seconds (the probe decodes included) as a share of the documen
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import sys
@@ -82,6 +83,34 @@ def default_backends() -> list[str]:
     return ["native", "state"]
 
 
+# options only some modes read, and those modes: given without one of them, an option would be ignored
+MODE_OPTIONS = {
+    "--contexts": ("--frontier", "--recall-cost"),
+    "--configs": ("--frontier",),
+    "--plot": ("--frontier",),
+    "--step-confidence": ("--recall-cost",),
+    "--step-every": ("--recall-cost",),
+    "--decode-observe": ("--recall-cost",),
+    "--chunks": ("--overhead",),
+    "--observe-every": ("--overhead",),
+    "--low-waters": ("--overhead",),
+    "--probes": ("--overhead",),
+    "--prefill-observe": ("--overhead",),
+    "--value-norms": ("--overhead",),
+}
+
+
+def check_mode_options(args) -> None:
+    """UsageError naming the mode to add for an option given without any mode that reads it (an option left at its
+    default is not "given")."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for flag, modes in MODE_OPTIONS.items():
+        dest = flag[2:].replace("-", "_")
+        if getattr(args, dest) != parser.get_default(dest) and not any(getattr(args, m[2:].replace("-", "_")) for m in modes):
+            raise UsageError(f"{flag} is an option of {' and '.join(modes)}: add {' or '.join(modes)}")
+
+
 def run(args) -> int:
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"-t/--threads {args.threads}: give at least 1 (default: the cores, at most 8)")
@@ -106,18 +135,9 @@ def run(args) -> int:
     for w in args.low_waters:
         if w is not None:
             check_low_water(w, "--low-waters")
-    if args.low_waters != [None] and not args.overhead:
-        raise UsageError("--low-waters is a lever of --overhead: add --overhead")
-    if args.configs != list(FRONTIER_CONFIGS) and not args.frontier:
-        raise UsageError("--configs chooses --frontier's rows: add --frontier")
+    check_mode_options(args)
     if "full" not in args.configs:
         raise UsageError("--configs: include full, the cache every ratio of the table is to")
-    if args.probes != ["question"] and not args.overhead:
-        raise UsageError("--probes is a lever of --overhead: add --overhead")
-    if args.prefill_observe and not args.overhead:
-        raise UsageError("--prefill-observe is a lever of --overhead: add --overhead")
-    if args.value_norms and not args.overhead:
-        raise UsageError("--value-norms is a lever of --overhead: add --overhead")
     if args.value_norms and value_norm_refusal(args.method):
         raise UsageError(f"--value-norms: --method {args.method} {value_norm_refusal(args.method)}")
     model = Model(args.model_path, n_gpu_layers=args.n_gpu_layers)
