@@ -89,6 +89,19 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=-1, help="sampling seed (default -1: random)")
 
 
+def input_file(flag: str, path: str):
+    """``path`` as a Path, or UsageError naming the fix: it must exist and not be a folder. A pipe or a device is a file
+    here (``--file <(pdftotext report.pdf -)``, ``--prompt-file /dev/stdin``): it is read as it comes."""
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UsageError(f"{flag} {path}: no such file")
+    if p.is_dir():
+        raise UsageError(f"{flag} {path} is a folder: give a text file")
+    return p
+
+
 def check_llama_args(args) -> None:
     """UsageError, naming the fix, for llama.cpp flags no model can run with (before anything loads)."""
     if args.ctx_size < 0:

@@ -212,6 +212,23 @@ def test_an_empty_prompt_is_refused_on_every_model(gemma3, tmp_path):
     assert_usage_error(run_cli("run", str(gemma3), "--prompt-file", str(tmp_path / "empty.txt")), "is empty")
 
 
+def test_a_prompt_or_document_may_come_from_a_pipe(smollm2, tmp_path):
+    """``--prompt-file -`` reads standard input, and a pipe or a device is a file (``--file <(pdftotext …)``,
+    ``/dev/stdin``): they were refused as "no such file". A folder is refused as one, before a model loads."""
+    text = "The cat sat on the mat. The dog sat on the rug. Where did the cat sit?"
+    a = run_cli("run", str(smollm2), "--prompt-file", "-", "-n", "4", "--json", "-t", "1", input=text)
+    b = run_cli("run", str(smollm2), "--prompt-file", "/dev/stdin", "-n", "4", "--json", "-t", "1", input=text)
+    (tmp_path / "p.txt").write_text(text)
+    c = run_cli("run", str(smollm2), "--prompt-file", str(tmp_path / "p.txt"), "-n", "4", "--json", "-t", "1")
+    assert a.returncode == b.returncode == c.returncode == 0, a.stderr + b.stderr
+    replies = [(x["prompt_tokens"], x["text"]) for x in (json.loads(r.stdout) for r in (a, b, c))]
+    assert replies[0][0] > 10 and replies[0] == replies[1] == replies[2]  # the same text, the same reply
+    assert_usage_error(run_cli("run", str(smollm2), "--prompt-file", str(tmp_path)), "is a folder")
+    assert_usage_error(run_cli("chat", str(smollm2), "--file", str(tmp_path), input=""), "is a folder")
+    r = run_cli("chat", str(smollm2), "--file", "/dev/stdin", "-t", "1", input=text)  # the document is the input
+    assert r.returncode == 0 and re.search(r"\[read stdin: \d+ tokens", r.stderr), r.stdout + r.stderr
+
+
 def test_the_kept_count_is_what_the_cache_holds(smollm2, tmp_path):
     (tmp_path / "p.txt").write_text("Hi")  # 2 tokens: the budget's floor (36 cells) is more than the prompt
     r = run_cli("run", str(smollm2), "--prompt-file", str(tmp_path / "p.txt"), "-n", "1", "--budget", "0.1", "-t", "1")

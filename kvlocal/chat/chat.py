@@ -545,8 +545,8 @@ def _document(source: str | os.PathLike, name: str | None) -> tuple[str, str | N
     if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source and len(source) < 4096
                                            and Path(source).expanduser().exists()):
         path = Path(source).expanduser()
-        if not path.is_file():
-            raise UsageError(f"{path} is not a file")
+        if path.is_dir():  # a pipe or a device is read as it comes (a process substitution, /dev/stdin)
+            raise UsageError(f"{path} is a folder: give a text file")
         try:
             text = path.read_text(encoding="utf-8", errors="replace")
         except OSError as e:

@@ -14,7 +14,7 @@ import sys
 from kvlocal import __version__
 from kvlocal.errors import UsageError
 from kvlocal.options import (add_budget_args, add_llama_args, add_model_arg, add_sampling_args, check_llama_args,
-                              engine_from_args, sampler_from_args)
+                              engine_from_args, input_file, sampler_from_args)
 
 
 
@@ -104,10 +104,14 @@ def cmd_run(args) -> int:
 
     check_llama_args(args)
     sampler = sampler_from_args(args)
-    prompt_path = Path(args.prompt_file)
-    if not prompt_path.is_file():
-        raise UsageError(f"--prompt-file {prompt_path}: no such file")
-    text = prompt_path.read_text(errors="replace")
+    if args.prompt_file == "-":
+        prompt_path, text = Path("standard input"), sys.stdin.read()
+    else:
+        prompt_path = input_file("--prompt-file", args.prompt_file)
+        try:
+            text = prompt_path.read_text(errors="replace")
+        except OSError as e:
+            raise UsageError(f"--prompt-file {prompt_path}: cannot read it ({e.strerror})") from None
     if not text.strip():  # the text decides, not the tokens: a model may add a BOS token to nothing
         raise UsageError(f"--prompt-file {prompt_path} is empty: give a text to continue")
     model = Model(resolve(args.model), n_gpu_layers=args.n_gpu_layers)
@@ -148,7 +152,7 @@ def cmd_run(args) -> int:
               f"n_ctx {s.n_ctx} · KV {s.kv_bytes_allocated / 2**20:.1f} MiB · kvlocal's own "
               f"{(s.wo_cache_bytes + s.host_bytes_peak) / 2**20:.1f} MiB · "
               + (f"recall tier {s.host_tier_bytes / 2**20:.1f} MiB, {s.recall_rows_in} rows back · " if engine.tier else "")
-              + f"{s.compression_events} compressions "
+              + f"{s.compression_events} compression{'' if s.compression_events == 1 else 's'} "
               f"{s.compression_seconds:.2f} s · prefill {s.prefill_seconds:.2f} s · decode {s.decode_seconds:.2f} s]", file=sys.stderr)
     return 0
 
@@ -203,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arg(p)
     add_llama_args(p)
     add_budget_args(p)
-    p.add_argument("--prompt-file", required=True, help="text file with the prompt")
+    p.add_argument("--prompt-file", required=True, help="text file with the prompt (- : standard input)")
     p.add_argument("--chat", action="store_true", help="wrap the file as one user message with the model's chat template "
                                                            "(the GGUF's Jinja template; llama.cpp's built-in one if it has none)")
     p.add_argument("--question", default=None, help="score the cache with this question's queries")

@@ -292,15 +292,14 @@ def _stdin_lines(prompt: str) -> str:
 
 def run(args) -> int:
     """``kvlocal chat``: build the chat from the command line, read ``--file`` documents, loop."""
-    from kvlocal.options import check_llama_args, norm_args, observe_args, recall_args, sampler_from_args
+    from kvlocal.options import check_llama_args, input_file, norm_args, observe_args, recall_args, sampler_from_args
     from kvlocal.models import resolve
     from kvlocal.runtime import Model, runtime_info
 
     check_llama_args(args)
     sampler = sampler_from_args(args)
     for f in args.file or []:
-        if not Path(f).is_file():
-            raise UsageError(f"--file {f}: no such file")
+        input_file("--file", f)
     path = resolve(args.model)
     info = runtime_info()
     model = Model(path, n_gpu_layers=args.n_gpu_layers)
