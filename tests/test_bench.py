@@ -152,7 +152,7 @@ def test_recall_cost_counts_the_question_and_the_answer_steps(smollm2):
         assert 0 < row["back_observe_seconds"] < row["back_seconds"]  # its probe decode, or the kept queries turned
         # --decode-observe kept: that compression was observed by the queries its tokens had, not a probe decode
         assert (row["back_kept"] > 0) == (row["decode_observe"] == "kept")
-        assert row["question_seconds"] > 0 and row["prefill_seconds"] > 0
+        assert row["question_seconds"] > 0 and row["prefill_seconds"] > 0 and 0 < row["question_share"] < row["share"]
         assert row["rows_in"] > 0 and row["candidates"] > 0 and row["host_tier_bytes"] > 0
     assert (swapping["step_confidence"], confident["step_confidence"]) == (1, 0)
     assert swapping["step_every"] == confident["step_every"] == 1  # the default: any step may swap

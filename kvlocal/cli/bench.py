@@ -376,7 +376,8 @@ def run_recall_cost(args, model: Model) -> int:
         rows.append(dict(tokens=n, backend=backend, step_confidence=confidence, step_every=every,
                          decode_observe=observe,
                          prefill_seconds=s.prefill_seconds,
-                         question_seconds=s.recall_seconds, steps=s.recall_steps, step_seconds=s.recall_step_seconds,
+                         question_seconds=s.recall_seconds, question_share=s.recall_seconds / s.prefill_seconds,
+                         steps=s.recall_steps, step_seconds=s.recall_step_seconds,
                          confident_steps=s.recall_steps_confident, back_seconds=back,
                          back_observe_seconds=s.compression_breakdown.get("observe", 0.0) - observe0,
                          back_kept=s.observations_kept,
@@ -390,15 +391,15 @@ def run_recall_cost(args, model: Model) -> int:
     if _json_or_title(args, model, "recall", rows, f"one question after the document, {RECALL_STEPS + RECALL_ROOM + 1} answer tokens"):
         return 0
     mib = 2**20
-    print(f"{'tokens':>8} {'backend':>8} {'budget':>7} {'conf':>5} {'every':>5} {'back by':>7} {'prefill s':>10} {'question s':>11} {'steps':>6} {'sure':>5} {'steps s':>8} {'back s':>7} "
+    print(f"{'tokens':>8} {'backend':>8} {'budget':>7} {'conf':>5} {'every':>5} {'back by':>7} {'prefill s':>10} {'question s':>11} {'q share':>8} {'steps':>6} {'sure':>5} {'steps s':>8} {'back s':>7} "
           f"{'share':>7} {'scored':>8} {'rows in':>8} {'rows out':>9} {'tier MiB':>9} {'KV MiB':>7} {'copied MiB':>11}"
           f"   target: share <= 3%")
     for r in rows:
         print(f"{r['tokens']:>8,} {r['backend']:>8} {r['budget_cells']:>7,} {r['step_confidence']:>5g} {r['step_every']:>5} {r['decode_observe']:>7} {r['prefill_seconds']:>10.1f} "
-              f"{r['question_seconds']:>11.2f} {r['steps']:>6} {r['confident_steps']:>5} {r['step_seconds']:>8.2f} {r['back_seconds']:>7.2f} {100 * r['share']:>6.2f}% "
+              f"{r['question_seconds']:>11.2f} {100 * r['question_share']:>7.2f}% {r['steps']:>6} {r['confident_steps']:>5} {r['step_seconds']:>8.2f} {r['back_seconds']:>7.2f} {100 * r['share']:>6.2f}% "
               f"{r['candidates']:>8,} {r['rows_in']:>8,} {r['rows_out']:>9,} {r['host_tier_bytes'] / mib:>9.1f} "
               f"{r['kv_bytes_allocated'] / mib:>7.1f} {r['recall_host_kv_bytes'] / mib:>11.1f}")
-    print("conf: --step-confidence; every: --step-every; back by: --decode-observe; question s: the question's re-selection (its probe decode included); steps: the "
+    print("conf: --step-confidence; every: --step-every; back by: --decode-observe; question s: the question's re-selection (its probe decode included); q share: it alone, of the prefill; steps: the "
           "answer's tokens that re-selected with their own query (sure: of them, those whose decode predicted the next "
           "token above conf, or came fewer than every steps after the last swap, and was kept: no swap, their time is decoding's); steps s: the others' time; back s: the turn's compressions (the answer's, back to the budget once it outgrows the room the question left it); share: the three, of the prefill; copied: K/V bytes they moved between "
           "llama.cpp's cache and kvlocal's memory (state: the kept rows written back in place on the CPU, the cache "
