@@ -99,7 +99,9 @@ def test_overhead_with_the_recall_tier(smollm2, smollm2_model):
     """``--recall on``: the compressed runs keep a recall tier, as ``kvlocal chat`` does by default (so the engine's
     low water is the tier's); refused with ``--recall-cost``, which always reads with one. ``--probes question
     generic``: the prompt's last 32 tokens as its question, then read as a chat reads a document (the engine's
-    generic probe scores it)."""
+    generic probe scores it). With the tier the question's run reads the prompt as ``kvlocal run`` does (its question
+    re-selects the cache before its own tokens are decoded: no event of its own at the end), the generic one as a
+    chat reads a document (nothing re-selects yet)."""
     from kvlocal.engine import AGNOSTIC_PROBE, LOW_WATER
 
     r = run_cli("bench", str(smollm2), "--overhead", "--long", "700", "--budget", "100", "--chunks", "64",
@@ -109,7 +111,8 @@ def test_overhead_with_the_recall_tier(smollm2, smollm2_model):
     full, question, generic = json.loads(r.stdout)["overhead"]
     for row in (question, generic):
         assert row["recall"] and row["host_tier_bytes"] > 0 and row["low_water"] == LOW_WATER
-    assert question["events"] == generic["events"] > 1 and question["probe_tokens"] == 32
+    assert question["events"] > 1 and generic["events"] > 1 and question["probe_tokens"] == 32
+    assert question["reselect_seconds"] > 0 == generic["reselect_seconds"]
     generic_tokens = len(smollm2_model.tokenize(AGNOSTIC_PROBE, add_special=False))
     assert (generic["probe"], generic["probe_tokens"]) == ("generic", generic_tokens) and generic_tokens < 32
     assert_usage_error(run_cli("bench", str(smollm2), "--recall-cost", "--recall", "on"), "leave --recall out")

@@ -75,6 +75,30 @@ def test_events_between_probe_decodes_use_moved_queries(smollm2_model):
     assert 0.6 < jaccard < 1.0, jaccard
 
 
+@pytest.mark.slow(30)
+def test_a_prompt_reselected_after_is_not_observed_afresh_at_its_end(smollm2_model):
+    """``prefill(reselect_after=True)`` with a recall tier — ``kvlocal run``'s prompt before its question, a chat's
+    document: the question's re-selection that follows decodes the question afresh — observes the prompt's last event
+    as the others, its probe decoded once in ``observe_every`` events; the same engine without the flag decodes it
+    afresh (one decode more), and so does an engine without a tier, which nothing re-selects."""
+    from kvlocal.cli.bench import long_text
+
+    toks = long_text(smollm2_model, 2000)
+    probe = smollm2_model.tokenize("\n\nWhat does the text say about patents?", add_special=False)
+    decoded = {}
+    for recall, after in ((True, False), (True, True), (False, True)):
+        eng = Engine(smollm2_model, 256, "criticalkv", max_tokens=len(toks) + 8, observe_every=4, backend="state",
+                     recall=recall)
+        eng.prefill(toks, probe=probe, reselect_after=after)
+        s = eng.stats
+        decoded[recall, after] = (s.compression_events, s.compression_events - s.observations_moved)
+    (e, fresh), (e2, reused) = decoded[True, False], decoded[True, True]
+    assert e == e2 > 6 and (e - 1) % 4 > 0  # the last event is not one the schedule decodes anyway
+    assert fresh == len(range(0, e, 4)) + 1 and reused == len(range(0, e, 4))
+    e, without_tier = decoded[False, True]
+    assert without_tier == len(range(0, e, 4)) + ((e - 1) % 4 > 0)
+
+
 @pytest.mark.slow(20)
 def test_window_observation_scores_each_event_by_its_chunks_last_queries(smollm2_model):
     """prefill_observe="window": every event of a prompt but its last is scored by the queries its chunk's last

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvlocal.cli.bench import long_text
+from kvlocal.cli.bench import long_text, read_prompt
 from kvlocal.compress.plan import Plan
 from kvlocal.engine import Engine
 from kvlocal.models import resolve
@@ -61,14 +61,15 @@ def main(argv=None) -> None:
     parts.wrap_each(HostTier, ("reserve", "add"), "tier ")
     parts.wrap(Plan, "materialize")
     t0 = time.perf_counter()
-    eng.prefill(tokens, probe=tokens[-32:])
+    read_prompt(eng, tokens, tokens[-32:])  # as kvlocal run reads it
     wall = time.perf_counter() - t0
     s = eng.stats
     share = s.compression_seconds / s.prefill_seconds
     print(f"{model.path.name} · {len(tokens):,} tokens · {eng.kv.name} backend{' in place' if getattr(eng.kv, 'in_place', False) else ''} · recall {'on' if recall else 'off'} · "
           f"engine made in {eng.stats.setup_seconds:.2f} s · prefill {wall:.1f} s · "
           f"compression {s.compression_seconds:.2f} s ({share:.1%}) in {s.compression_events} "
-          f"events: " + ", ".join(f"{k} {v:.2f}" for k, v in s.compression_breakdown.items()))
+          f"events: " + ", ".join(f"{k} {v:.2f}" for k, v in s.compression_breakdown.items())
+          + (f" · then the question's re-selection {s.recall_seconds:.2f} s" if recall else ""))
     print(f"{'part':<20} {'seconds':>8} {'calls':>6} {'faults':>9}")
     for label in parts.by_time():
         print(f"{label:<20} {parts.seconds[label]:>8.3f} {parts.calls[label]:>6} {parts.faults[label]:>9,}")

@@ -49,7 +49,7 @@ def main() -> None:
     eng = Engine(model, 0.1, "criticalkv", max_tokens=args.tokens + len(question) + args.steps + 8,
                  n_threads=args.threads, recall=True, backend=args.backend,
                  recall_step_confidence=args.step_confidence)
-    eng.prefill(long_text(model, args.tokens))
+    eng.prefill(long_text(model, args.tokens), reselect_after=True)  # a document, as a chat reads it
     eng.append(question, probe=question, recall=True)
 
     parts = Parts()

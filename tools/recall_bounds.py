@@ -86,7 +86,7 @@ def main() -> None:
     question = model.tokenize(QUESTION, add_special=False)
     eng = Engine(model, 0.1, "criticalkv", max_tokens=args.tokens + len(question) + args.steps + 8,
                  n_threads=args.threads, recall=True, recall_step_confidence=1.0, recall_steps=args.steps)
-    eng.prefill(long_text(model, args.tokens))
+    eng.prefill(long_text(model, args.tokens), reselect_after=True)  # a document, as a chat reads it
     out = {"coverage": {b: [] for b in BUDGETS}, "bound": [], "exact": [], "layers_low": [], "off": []}
     reselect = Reselection._reselect
 

@@ -66,7 +66,7 @@ class ChatSession:
             return len(self.model.tokenize(block, add_special=False))
         tokens = self._tokens(rendered[len(self.t.fed_text):cut])
         self.pin(tokens)
-        self.engine.append(tokens, probe=None, progress=progress)
+        self.engine.append(tokens, probe=None, progress=progress, reselect_after=True)  # the question re-selects
         self.t.pending, self.t.fed_text = pending, rendered[:cut]
         return len(tokens)
 

@@ -129,7 +129,7 @@ def cmd_run(args) -> int:
         probe = tokens[-args.recent:]
     tail = min(args.recent, len(tokens) - 1)
     if engine.tier is not None and tail > 0:  # the question (the prompt's end) re-selects the cache first
-        engine.prefill(tokens[:-tail], probe=probe)
+        engine.prefill(tokens[:-tail], probe=probe, reselect_after=True)
         engine.append(tokens[-tail:], probe=probe, recall=True)
         engine.prompt_plan = engine.last_plan
     else:

@@ -230,11 +230,15 @@ class Engine(Reselection, Observing):
 
     # -- public API ---------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int], probe: Sequence[int] | None = None,
-                progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+                progress: Callable[[int, int], None] | None = None, reselect_after: bool = False) -> np.ndarray:
         """Decode a prompt in chunks that fill the free cells, compressing back to the budget whenever the
         context is full and once more at the end. ``probe``: tokens whose queries score the cache (the
         question; its last ``recent`` tokens are used); None uses the generic query-agnostic probe.
-        ``progress(done, total)`` is called after every chunk. Returns the last logits."""
+        ``progress(done, total)`` is called after every chunk. ``reselect_after``: the caller re-selects the cache
+        for a question next (``kvlocal run``'s prompt end, a chat's document before its question), which decodes
+        the question afresh — so with a recall tier the prompt's last event is observed as the others are, its probe
+        decoded once in ``observe_every`` events, instead of afresh for a cache nothing generates from. Returns the
+        last logits."""
         self._check_usable()
         if len(tokens) == 0:
             raise UsageError("the prompt is empty: give at least one token of text")
@@ -256,8 +260,9 @@ class Engine(Reselection, Observing):
             last = i + len(chunk) >= len(tokens)
             if self.cfg.prefill_observe == "window" and not last:
                 observed = self._decode_chunk(chunk, probe, window=True)
-            else:  # the event that ends the prompt is always observed afresh: generation starts from its cache
-                observed = self._decode_chunk(chunk, probe, last or self.observations.needs_decode(probe))
+            else:  # the event that ends the prompt is observed afresh where generation starts from its cache
+                fresh = last and not (reselect_after and self.tier is not None)
+                observed = self._decode_chunk(chunk, probe, fresh or self.observations.needs_decode(probe))
             i += len(chunk)
             if progress is not None:
                 progress(i, len(tokens))
@@ -270,13 +275,14 @@ class Engine(Reselection, Observing):
         return self.logits
 
     def append(self, tokens: Sequence[int], probe: Sequence[int] | None = None,
-               progress: Callable[[int, int], None] | None = None, recall: bool = False) -> np.ndarray:
+               progress: Callable[[int, int], None] | None = None, recall: bool = False,
+               reselect_after: bool = False) -> np.ndarray:
         """Add a later turn to the compressed cache (the history is never decoded again). ``recall``: the
         turn is a question — with a recall tier, the cache is re-selected for it first (:meth:`recall`),
-        so that its own tokens already attend to what came back."""
+        so that its own tokens already attend to what came back. ``reselect_after``: as :meth:`prefill`'s."""
         if recall:
             self.recall(probe if probe is not None else tokens, pending=len(tokens))
-        logits = self.prefill(tokens, probe, progress)
+        logits = self.prefill(tokens, probe, progress, reselect_after=reselect_after)
         self._answering, self._held = recall and self.tier is not None, None
         return logits
 

@@ -330,7 +330,7 @@ def read_prompt(eng: Engine, tokens: list[int], probe, tail: int = 32) -> np.nda
     prompt's last ``tail`` tokens are decoded after the cache was re-selected for the probe."""
     if eng.tier is None or len(tokens) <= tail:
         return eng.prefill(tokens, probe=probe)
-    eng.prefill(tokens[:-tail], probe=probe)
+    eng.prefill(tokens[:-tail], probe=probe, reselect_after=True)
     return eng.append(tokens[-tail:], probe=probe, recall=True)
 
 
