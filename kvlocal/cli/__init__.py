@@ -127,13 +127,9 @@ def cmd_run(args) -> int:
         probe = None
     else:  # the prompt ends with its question: its last tokens are the observation window
         probe = tokens[-args.recent:]
-    tail = min(args.recent, len(tokens) - 1)
-    if engine.tier is not None and tail > 0:  # the question (the prompt's end) re-selects the cache first
-        engine.prefill(tokens[:-tail], probe=probe, reselect_after=True)
-        engine.append(tokens[-tail:], probe=probe, recall=True)
+    engine.read_prompt(tokens, probe, tail=min(args.recent, len(tokens) - 1))  # the question re-selects the cache first
+    if engine.tier is not None:
         engine.prompt_plan = engine.last_plan
-    else:
-        engine.prefill(tokens, probe=probe)
     kept = engine.live_cells()  # the prompt's tokens still in the cache
     out = list(engine.generate(args.n_predict, sampler))
     answer = model.detokenize(out)

@@ -56,15 +56,12 @@ def long_text(model: Model, n_tokens: int) -> list[int]:
 
 def read_prompt(eng: Engine, tokens: list[int], question: list[int] | None) -> None:
     """Read ``tokens``, whose last ones are ``question`` (None: a document before any question), as the front doors
-    do: with a recall tier, ``kvlocal run`` re-selects the cache for the question before its own tokens are decoded
-    (without the answer's re-selecting steps, which ``--recall-cost`` measures), and a chat reads a document for the
-    question that comes next (``Engine.prefill(reselect_after=)``)."""
-    if eng.tier is not None and question:
-        eng.prefill(tokens[:-len(question)], probe=question, reselect_after=True)
-        eng.recall(question, pending=len(question))
-        eng.prefill(question, probe=question)
+    do: ``kvlocal run`` (:meth:`Engine.read_prompt`, without the answer's re-selecting steps, which ``--recall-cost``
+    measures), or a chat's document read for the question that comes next (``Engine.prefill(reselect_after=)``)."""
+    if question:
+        eng.read_prompt(tokens, question, tail=len(question), answer=False)
     else:
-        eng.prefill(tokens, probe=question, reselect_after=eng.tier is not None)
+        eng.prefill(tokens, reselect_after=True)
 
 
 def measure(model: Model, tokens: list[int], method: str, budget: str, n_decode: int, threads: int | None,

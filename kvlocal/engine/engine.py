@@ -274,6 +274,21 @@ class Engine(Reselection, Observing):
         self.stats.prefill_seconds += time.perf_counter() - t0
         return self.logits
 
+    def read_prompt(self, tokens: Sequence[int], probe: Sequence[int] | None = None, tail: int = 32,
+                    answer: bool = True) -> np.ndarray:
+        """Read a prompt that ends with its question, as ``kvlocal run`` does: with a recall tier, all but its last
+        ``tail`` tokens (:meth:`prefill` with ``reselect_after``), then the cache re-selected for ``probe`` before the
+        tail is decoded (:meth:`append` with ``recall``), so that the question's tokens attend to what came back;
+        ``answer=False`` then leaves the answer's first tokens to the cache as it is (a benchmark's decode, not the
+        answer's re-selecting steps). Without a tier, or for a prompt of ``tail`` tokens or fewer, :meth:`prefill`.
+        Returns the last logits."""
+        if self.tier is None or tail <= 0 or len(tokens) <= tail:
+            return self.prefill(tokens, probe=probe)
+        self.prefill(tokens[:-tail], probe=probe, reselect_after=True)
+        logits = self.append(tokens[-tail:], probe=probe, recall=True)
+        self._answering = self._answering and answer
+        return logits
+
     def append(self, tokens: Sequence[int], probe: Sequence[int] | None = None,
                progress: Callable[[int, int], None] | None = None, recall: bool = False,
                reselect_after: bool = False) -> np.ndarray:

@@ -277,7 +277,7 @@ class Runner:
                       "reply": replies, "expected": item.expected}
         else:
             eng = self.engine(spec, len(tokens) + item.n_generate)
-            read_prompt(eng, tokens, probe)
+            eng.read_prompt(tokens, probe)
             reply = m.detokenize(list(eng.generate(item.n_generate)))
             result = {"item": item.name, "score": score(item, reply), "reply": reply, "expected": item.expected}
         s = eng.stats.as_dict()
@@ -296,7 +296,7 @@ class Runner:
         """[len(forced), V]: the next-token logits after the prompt and after each forced token. The forced
         tokens go straight into the context's free cells (the engine leaves chunk + window of them after
         the final compression), so no compression event falls inside the continuation."""
-        first = read_prompt(eng, tokens, probe)
+        first = eng.read_prompt(tokens, probe)
         rest = eng.ctx.decode(forced[:-1], range(eng.n_past, eng.n_past + len(forced) - 1), "all")
         return np.concatenate([first[None], rest])
 
@@ -304,7 +304,7 @@ class Runner:
     def _generated_logits(eng: Engine, tokens, probe, forced) -> np.ndarray:
         """As :meth:`_forced_logits`, but the forced tokens go through the engine's own generation loop (its
         sampler picks the real text's next token), so the compressions of generation fall inside them."""
-        read_prompt(eng, tokens, probe)
+        eng.read_prompt(tokens, probe)
         rows = []
 
         def forcing(logits: np.ndarray) -> int:  # the distribution after the prompt, then after each forced token
@@ -323,15 +323,6 @@ class Runner:
         """How a task's forced tokens go in: through the engine's generation loop (``generation``: its
         compressions fall inside them), or straight into the free cells (``continuation``)."""
         return self._generated_logits if spec.task in GENERATION_TASKS else self._forced_logits
-
-
-def read_prompt(eng: Engine, tokens: list[int], probe, tail: int = 32) -> np.ndarray:
-    """Prefill a prompt that ends with its question; with a recall tier, as ``kvlocal run`` does: the
-    prompt's last ``tail`` tokens are decoded after the cache was re-selected for the probe."""
-    if eng.tier is None or len(tokens) <= tail:
-        return eng.prefill(tokens, probe=probe)
-    eng.prefill(tokens[:-tail], probe=probe, reselect_after=True)
-    return eng.append(tokens[-tail:], probe=probe, recall=True)
 
 
 def execute(specs: Iterable[Spec], paths: dict[str, Path], out: Path, command: str, n_threads: int | None,
