@@ -309,6 +309,46 @@ def test_rows_cross_between_the_device_and_the_host(tiny, fa, cache):
         ctx.get_rows(0, [0], [hkv], rk, rv)  # no such head
 
 
+@CACHES
+def test_merge_sums_rows_on_the_device(tiny, fa, cache):
+    """``llama_kv_merge``: each merge's last member's row becomes the weighted sum of its members' rows (keys and
+    values weighted apart, padding ignored), computed on the device and stored in the cache's type — a quantized
+    cache's row quantized again, within one step of its block; every other row is left bit for bit."""
+    t = TYPES[cache]
+    model = Model(tiny["llama"], n_gpu_layers=NGL)
+    ctx = filled_context(model, fa, t)
+    hkv, d = model.n_head_kv, model.arch.head_dim_k
+    before = read_seq(ctx).copy()
+    basis = CacheBasis.for_cache(t, t, d, model.arch.head_dim_v)
+    decode = {"k": basis.keys, "v": basis.values}
+    rng = np.random.default_rng(5)
+    cells = rng.permutation(before.n)[:24].reshape(8, 3)  # distinct members: 8 merges of up to 3 cells
+    cells[:3, 0] = -1  # padding (its weight must not count)
+    heads = np.array([0, 1] * 4)
+    wk, wv = rng.uniform(-0.5, 1.5, cells.shape), rng.dirichlet(np.ones(3), 8)
+    l, n_merge = 1, np.zeros(len(model.arch.full_layers), int)
+    n_merge[l] = len(cells)
+    ctx.merge(n_merge, cells, heads, wk, wv)
+    after = read_seq(ctx)
+    for name, w in (("k", wk), ("v", wv)):
+        rows = decode[name](getattr(before, name)[l][np.maximum(cells, 0), heads[:, None]])  # [8, 3, d]
+        want = np.einsum("mg,mgd->md", np.where(cells >= 0, w, 0), rows)
+        got = decode[name](getattr(after, name)[l][cells[:, -1], heads])
+        step = {"f32": 1e-6, "f16": 1e-3, "bf16": 8e-3, "q8_0": 1 / 127, "q4_0": 1 / 7}[cache]
+        assert np.all(np.abs(got - want) <= step * np.abs(want).max(axis=1, keepdims=True) + 1e-6), (name, cache)
+        others = np.ones((before.n, hkv), bool)
+        others[cells[:, -1], heads] = False
+        assert np.array_equal(getattr(after, name)[l][others], getattr(before, name)[l][others])
+        assert np.array_equal(getattr(after, name)[0], getattr(before, name)[0])  # another layer: untouched
+    n_merge[l] = 2
+    with pytest.raises(ValueError, match="two merges into one row"):
+        ctx.merge(n_merge, [[0, 1], [2, 1]], [0, 0], np.ones((2, 2)), np.ones((2, 2)))
+    n_merge[l] = 1
+    with pytest.raises(ValueError, match="does not match"):
+        ctx.merge(n_merge, [[0, before.n]], [0], np.ones((1, 2)), np.ones((1, 2)))
+    assert np.array_equal(read_seq(ctx).k[l], after.k[l])  # a refused call changes nothing
+
+
 # -- the engine on both backends -----------------------------------------------------------------
 
 
@@ -394,8 +434,8 @@ def assert_same_merges(a, b, atol: float) -> None:
 @pytest.mark.parametrize("method", ["kvslimmer", "meanmerge", "criticalkv+kvslimmer", "defensivekv"])
 def test_native_and_state_merge_and_keep_alike_on_tiny_f32_models(tiny, method):
     """The methods that read K/V themselves run on the native backend too: the rows they read are copied from
-    the device (a merge after CriticalKV only the rows CriticalKV kept), merged rows are combined on the host
-    and written into their slots, the other kept rows move on the device. Against the state backend: the same
+    the device (a merge after CriticalKV only the rows CriticalKV kept), merged rows are summed on the device
+    (patch 0021) and move with the other kept rows. Against the state backend: the same
     plans (kept rows, merges, key weights), the same reply, every cell's rows within 1e-3 at the end, and fewer
     bytes copied (the state backend reads and writes back the whole cache at every event)."""
     model = Model(tiny["llama"], n_gpu_layers=NGL)
@@ -421,8 +461,9 @@ def test_native_and_state_merge_and_keep_alike_on_tiny_f32_models(tiny, method):
 
 
 def test_native_merges_a_quantized_cache_as_state_does(tmp_path):
-    """criticalkv+kvslimmer on a q8_0 K+V cache: merged rows are decoded, combined and quantized again by the
-    same codec on both backends, and the kept blocks move as they are: byte-identical caches at the end."""
+    """criticalkv+kvslimmer on a q8_0 K+V cache: merged rows are decoded, summed and quantized again — by
+    kvlocal's codec on the host (state), by ggml's quantizer on the device (native) — and the kept blocks move
+    as they are: byte-identical caches at the end."""
     model = Model(tiny_gguf.write_tiny(tmp_path / "llama-64.gguf", arch="llama", head_dim=64), n_gpu_layers=NGL)
     tokens = model.tokenize(sample_text())[:600]
     kw = dict(n_gen=200, chunk=32, recent=16, type_k=8, type_v=8)

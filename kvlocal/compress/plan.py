@@ -387,14 +387,30 @@ def merge_rows(m: dict, k: np.ndarray, v: np.ndarray, counts: np.ndarray, k_code
     """One head's merged slots from its members' rows: ``m`` the head's merge arrays (:func:`merge_arrays`),
     ``k``/``v`` ``[M, G, d or bytes]`` the rows of ``m["cells"]`` (any row where a cell is ``-1``), ``counts``
     ``[M, G]`` theirs. Returns ``(k [M, ...], v [M, ...], count [M])``: the key ``Σ w_i k_i``, the value
-    ``Σ c_i v_i / Σ c_i``, float32 — or quantized again by the codecs of a quantized cache."""
-    present = m["cells"] >= 0
-    w = np.where(present, m["weights"], 0.0).astype(np.float32)
-    cm = np.where(present, counts, 0)
+    ``Σ (c_i / Σ c) v_i`` (:func:`merge_values`), float32 — or quantized again by the codecs of a quantized cache.
+    The arithmetic is the native backend's (``llama_kv_merge``, :func:`merge_sum`), so that both backends write
+    the same rows."""
+    km = merge_sum(np.where(m["cells"] >= 0, m["weights"], 0.0), _decoded(k, k_codec))
+    vm, total = merge_values(m, v, counts, v_codec)
+    return (k_codec.encode(km) if k_codec else km), vm, total
+
+
+def merge_values(m: dict, v: np.ndarray, counts: np.ndarray, v_codec=None):
+    """The values of :func:`merge_rows` alone: ``(v [M, ...], count [M])``."""
+    cm = np.where(m["cells"] >= 0, counts, 0)
     total = cm.sum(axis=1)
-    km = np.einsum("mg,mgd->md", w, _decoded(k, k_codec))
-    vm = np.einsum("mg,mgd->md", cm.astype(np.float32), _decoded(v, v_codec)) / total[:, None].astype(np.float32)
-    return (k_codec.encode(km) if k_codec else km), (v_codec.encode(vm) if v_codec else vm), total
+    vm = merge_sum(cm / total[:, None], _decoded(v, v_codec))
+    return (v_codec.encode(vm) if v_codec else vm), total
+
+
+def merge_sum(w: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``Σ_g w[m, g] rows[m, g]`` ``[M, d]`` as ggml sums a merge (``llama_kv_merge``): float32 weights and
+    products, added member after member in float32."""
+    products = w.astype(np.float32)[..., None] * rows.astype(np.float32, copy=False)
+    total = products[:, 0].copy() if products.shape[1] else np.zeros((len(products), rows.shape[-1]), np.float32)
+    for g in range(1, products.shape[1]):
+        total += products[:, g]
+    return total
 
 
 def _decoded(rows: np.ndarray, codec) -> np.ndarray:

@@ -11,8 +11,8 @@ writes only the candidates the plan keeps into their slots (``llama_kv_rows_set`
 
 A scorer that reads K/V itself asks for the rows it reads (:class:`~kvlocal.compress.base.RowSource`), and
 those cross: a merge after CriticalKV the rows CriticalKV kept; KVSlimmer alone and DefensiveKV (a maximum
-over the window, where the device gives the mean) every row. Merged rows are combined on the host from their
-members' rows and written into their slots; the other kept rows move on the device as always."""
+over the window, where the device gives the mean) every row. The scorers choose merges on the host; the merged
+rows are summed on the device (``llama_kv_merge``, patch 0021), so none is written back from the host."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import numpy as np
 
 from kvlocal.compress import LayerInputs, Plan, kernels
 from kvlocal.compress.base import RowSource
-from kvlocal.compress.plan import merge_rows
+from kvlocal.compress.plan import merge_values
 from kvlocal.runtime.backend import CacheRead, KVBackend, RowRecord
 from kvlocal.runtime.seqstate import row_bytes, row_format, rows_from_bytes, rows_to_bytes
 
@@ -144,50 +144,60 @@ class NativeBackend(KVBackend):
         return kernels.vnorm(self.basis.values(v).astype(np.float32), wo, h * group, group, p=self.norm_p)
 
     def apply(self, read: CacheRead, plan: Plan) -> None:
-        """Move the kept device rows on the device (``llama_kv_compact``), then write the rows that come from the
-        host into their slots (``llama_kv_rows_set``): the tier's candidates the plan keeps, and merged rows —
-        combined on the host from their members' rows (copied before the cells move), quantized again for a
-        quantized cache."""
+        """Merge rows on the device (``llama_kv_merge``): each merged slot's sum is written into its latest member's
+        cell, which the plan keeps; then move the kept device rows on the device (``llama_kv_compact``), and write
+        the tier's candidates the plan keeps from the host into their slots (``llama_kv_rows_set``)."""
         record = RowRecord.after(plan, read, plan.counts if plan.merges is not None else None)
         with np.errstate(divide="ignore"):
             cell_bias = np.log(record.count.astype(np.float32)) if np.any(record.count != 1) else None
-        n, merged = read.kv.n_device, plan.merged()
-        writes = [self._merged(read, plan, l) for l in range(plan.n_layer)]
-        if self.wo is not None:  # the merged rows' norms from their stored values here, not every cell's on the device
-            for l, (slots, heads, _, v) in enumerate(writes):
-                for h in np.unique(heads):
-                    at = heads == h
-                    record.vnorm[l, h, slots[at]] = self._vnorm(l, h, rows_from_bytes(v[at], self.ctx.type_v))
+        n = read.kv.n_device
+        if plan.merges is not None:
+            self._merge(read, plan)
+            for l in range(plan.n_layer if self.wo is not None else 0):
+                self._merged_vnorm(read, plan, l, record.vnorm)
         self.ctx.compact(np.where(plan.keep < n, plan.keep, -1), record.pos, cell_bias)
-        for l, (slots, heads, k, v) in enumerate(writes):
-            from_tier = (plan.keep[l] >= n) & ~merged[l]
-            if from_tier.any():  # the tier's rows the plan keeps
+        for l in range(plan.n_layer):
+            from_tier = plan.keep[l] >= n  # (merges are all of device rows: a tier is refused with them)
+            if from_tier.any():
                 h, j = np.nonzero(from_tier)
                 tk, tv = self.rows_of(read, l, plan.keep[l][h, j], h)
-                k = np.concatenate([k, rows_to_bytes(tk, self.ctx.type_k, self.head_dim)])
-                v = np.concatenate([v, rows_to_bytes(tv, self.ctx.type_v, self._hd_v)])
-                slots, heads = np.concatenate([slots, j]), np.concatenate([heads, h])
-            if len(slots):
-                self.ctx.set_rows(l, slots, heads, k, v)
+                k, v = rows_to_bytes(tk, self.ctx.type_k, self.head_dim), rows_to_bytes(tv, self.ctx.type_v, self._hd_v)
+                self.ctx.set_rows(l, j, h, k, v)
                 self._count_host(k.nbytes + v.nbytes, k.nbytes + v.nbytes)
         self.record = record
 
-    def _merged(self, read: CacheRead, plan: Plan, l: int):
-        """``(slots, heads, K bytes, V bytes)`` of layer ``l``'s merged slots (none without merges)."""
-        slots, heads = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-        ks, vs = [np.zeros((0, self._row_k), np.uint8)], [np.zeros((0, self._row_v), np.uint8)]
+    def _merged_vnorm(self, read: CacheRead, plan: Plan, l: int, vnorm: np.ndarray) -> None:
+        """The merged rows' value norms in layer ``l``, from their members' rows, which the method read (no row
+        crosses): the value as the device stores it (:func:`~kvlocal.compress.plan.merge_values`: the same sum,
+        quantized again for a quantized cache). The device would compute them at the next event, for every
+        layer of each cell that holds a merged row in some layer: most cells of a merging method."""
         for h, m in enumerate(plan.head_merges(l)):
             if not len(m["slots"]):
                 continue
             cells = np.maximum(m["cells"], 0)  # [M, G]
-            k, v = self.rows_of(read, l, cells.reshape(-1), np.full(cells.size, h))
-            km, vm, _ = merge_rows(m, k.reshape(*cells.shape, -1), v.reshape(*cells.shape, -1), read.count[l, h, cells],
-                                   self.basis.k_codec, self.basis.v_codec)
-            slots.append(m["slots"])
-            heads.append(np.full(len(km), h))
-            ks.append(rows_to_bytes(km, self.ctx.type_k, self.head_dim))
-            vs.append(rows_to_bytes(vm, self.ctx.type_v, self._hd_v))
-        return np.concatenate(slots), np.concatenate(heads), np.concatenate(ks), np.concatenate(vs)
+            _, v = self.rows_of(read, l, cells.reshape(-1), np.full(cells.size, h))
+            vm, _ = merge_values(m, v.reshape(*cells.shape, -1), read.count[l, h, cells], self.basis.v_codec)
+            stored = rows_from_bytes(rows_to_bytes(vm, self.ctx.type_v, self._hd_v), self.ctx.type_v)
+            vnorm[l, h, m["slots"]] = self._vnorm(l, h, stored)
+
+    def _merge(self, read: CacheRead, plan: Plan) -> None:
+        """Every layer's merges on the device, in one call: per merged slot its members (padded on the left to the
+        widest merge), the key weights and the count weights of the value mean ``Σ c_i v_i / Σ c_i``."""
+        merges = [[(h, m) for h, m in enumerate(plan.head_merges(l)) if len(m["slots"])] for l in range(plan.n_layer)]
+        width = max((m["cells"].shape[1] for layer in merges for _, m in layer), default=0)
+        if not width:
+            return
+        cells, head, wk, wv = [np.zeros((0, width), np.int64)], [np.zeros(0, np.int64)], [], []
+        for l, layer in enumerate(merges):
+            for h, m in layer:
+                c = np.pad(m["cells"], ((0, 0), (width - m["cells"].shape[1], 0)), constant_values=-1)
+                count = np.where(c >= 0, read.count[l, h, np.maximum(c, 0)], 0).astype(np.float64)
+                cells.append(c)
+                head.append(np.full(len(c), h))
+                wk.append(np.where(c >= 0, np.pad(m["weights"], ((0, 0), (width - m["weights"].shape[1], 0))), 0.0))
+                wv.append(count / count.sum(axis=1, keepdims=True))
+        n_merge = [sum(len(m["slots"]) for _, m in layer) for layer in merges]
+        self.ctx.merge(n_merge, np.concatenate(cells), np.concatenate(head), np.concatenate(wk), np.concatenate(wv))
 
     # -- rows on the host: only the ones asked for cross ------------------------------------------------
     def rows_of(self, read: CacheRead, l: int, cells: np.ndarray, heads: np.ndarray):

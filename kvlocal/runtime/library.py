@@ -14,7 +14,7 @@ from kvlocal.errors import UsageError
 # everything in runtime/ was checked against this one.
 REQUIRED_LLAMA_CPP_PYTHON = "0.3.36"
 # LLAMA_KVLOCAL_ABI_VERSION written by the last patch in ggml_patches/
-REQUIRED_PATCH_ABI = 14
+REQUIRED_PATCH_ABI = 15
 
 BUILD_HINT = "run `python ggml_patches/build.py` (see README)"
 
@@ -129,6 +129,12 @@ def patch_functions():
             "llama_kv_host_view", ctypes.c_int32,
             [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t),
              ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_int32)],
+        ),
+        "merge": _symbol(
+            "llama_kv_merge", ctypes.c_int32,
+            [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32,
+             ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float),
+             ctypes.POINTER(ctypes.c_float)],
         ),
         **{name: _symbol(
             f"llama_kv_{name}", ctypes.c_int32,

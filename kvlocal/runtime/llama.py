@@ -376,6 +376,26 @@ class Context:
         """Write rows as :meth:`get_rows` returns them into the cells (``llama_kv_rows_set``, patch 0013)."""
         self._rows("rows_set", l, _index(cells), _index(heads), np.ascontiguousarray(k, np.uint8), np.ascontiguousarray(v, np.uint8))
 
+    def merge(self, n_merge: np.ndarray, cells: np.ndarray, heads: np.ndarray, wk: np.ndarray, wv: np.ndarray) -> None:
+        """Merge rows of the compressed layers on their device in one graph (``llama_kv_merge``, patch 0021):
+        ``n_merge[l]`` merges of layer ``l``, listed layer after layer; merge ``i``'s row of KV head ``heads[i]`` in
+        cell ``cells[i, -1]`` becomes ``Σ_g wk[i, g] K(cells[i, g])`` and ``Σ_g wv[i, g] V(cells[i, g])`` (``cells``
+        ``[N, G]`` indices into :meth:`cells` order, ``-1``: padding), summed in float32 and stored in the cache's
+        type. Only indices and weights cross."""
+        n_merge, cells, heads = _index(n_merge), _index(cells), _index(heads)
+        wk, wv = np.ascontiguousarray(wk, np.float32), np.ascontiguousarray(wv, np.float32)
+        if (cells.ndim != 2 or wk.shape != cells.shape or wv.shape != cells.shape or heads.shape != cells.shape[:1]
+                or n_merge.sum() != len(cells)):
+            raise ValueError(f"merge: n_merge {n_merge.sum()}, cells {cells.shape}, heads {heads.shape}, wk {wk.shape}, "
+                             f"wv {wv.shape} do not match")
+        i32, f32 = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float)
+        rc = self._patch_fn("merge", "0021")(self._ptr, 0, n_merge.ctypes.data_as(i32), max(cells.shape[1], 1),
+                                             cells.ctypes.data_as(i32), heads.ctypes.data_as(i32), wk.ctypes.data_as(f32),
+                                             wv.ctypes.data_as(f32))
+        if rc != len(cells):
+            why = "the graph failed" if rc == -3 else "a cell, head or layer count that does not match the cache, or two merges into one row"
+            raise ValueError(f"llama_kv_merge refused: {why}")
+
     def _rows(self, name: str, l: int, cells: np.ndarray, heads: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         if len(cells) != len(heads) or len(k) != len(cells) or len(v) != len(cells):
             raise ValueError(f"{name}: {len(cells)} cells, {len(heads)} heads, {len(k)} K rows, {len(v)} V rows")
