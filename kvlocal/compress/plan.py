@@ -390,17 +390,25 @@ def merge_rows(m: dict, k: np.ndarray, v: np.ndarray, counts: np.ndarray, k_code
     ``Σ (c_i / Σ c) v_i`` (:func:`merge_values`), float32 — or quantized again by the codecs of a quantized cache.
     The arithmetic is the native backend's (``llama_kv_merge``, :func:`merge_sum`), so that both backends write
     the same rows."""
-    km = merge_sum(np.where(m["cells"] >= 0, m["weights"], 0.0), _decoded(k, k_codec))
+    wk, _ = merge_weights(m, counts)
+    km = merge_sum(wk, _decoded(k, k_codec))
     vm, total = merge_values(m, v, counts, v_codec)
     return (k_codec.encode(km) if k_codec else km), vm, total
 
 
 def merge_values(m: dict, v: np.ndarray, counts: np.ndarray, v_codec=None):
     """The values of :func:`merge_rows` alone: ``(v [M, ...], count [M])``."""
-    cm = np.where(m["cells"] >= 0, counts, 0)
-    total = cm.sum(axis=1)
-    vm = merge_sum(cm / total[:, None], _decoded(v, v_codec))
-    return (v_codec.encode(vm) if v_codec else vm), total
+    _, wv = merge_weights(m, counts)
+    vm = merge_sum(wv, _decoded(v, v_codec))
+    return (v_codec.encode(vm) if v_codec else vm), np.where(m["cells"] >= 0, counts, 0).sum(axis=1)
+
+
+def merge_weights(m: dict, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The weights of one head's merges, ``[M, G]`` float64: the keys' (``m["weights"]``, 0 for padding) and the
+    values' ``c_i / Σ c`` (the count-weighted mean)."""
+    present = m["cells"] >= 0
+    cm = np.where(present, counts, 0)
+    return np.where(present, m["weights"], 0.0), cm / cm.sum(axis=1, keepdims=True)
 
 
 def merge_sum(w: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ import numpy as np
 
 from kvlocal.compress import LayerInputs, Plan, kernels
 from kvlocal.compress.base import RowSource
-from kvlocal.compress.plan import merge_values
+from kvlocal.compress.plan import merge_values, merge_weights
 from kvlocal.runtime.backend import CacheRead, KVBackend, RowRecord
 from kvlocal.runtime.seqstate import row_bytes, row_format, rows_from_bytes, rows_to_bytes
 
@@ -182,7 +182,7 @@ class NativeBackend(KVBackend):
 
     def _merge(self, read: CacheRead, plan: Plan) -> None:
         """Every layer's merges on the device, in one call: per merged slot its members (padded on the left to the
-        widest merge), the key weights and the count weights of the value mean ``Σ c_i v_i / Σ c_i``."""
+        widest merge) and their key and value weights (:func:`~kvlocal.compress.plan.merge_weights`)."""
         merges = [[(h, m) for h, m in enumerate(plan.head_merges(l)) if len(m["slots"])] for l in range(plan.n_layer)]
         width = max((m["cells"].shape[1] for layer in merges for _, m in layer), default=0)
         if not width:
@@ -190,12 +190,12 @@ class NativeBackend(KVBackend):
         cells, head, wk, wv = [np.zeros((0, width), np.int64)], [np.zeros(0, np.int64)], [], []
         for l, layer in enumerate(merges):
             for h, m in layer:
-                c = np.pad(m["cells"], ((0, 0), (width - m["cells"].shape[1], 0)), constant_values=-1)
-                count = np.where(c >= 0, read.count[l, h, np.maximum(c, 0)], 0).astype(np.float64)
-                cells.append(c)
-                head.append(np.full(len(c), h))
-                wk.append(np.where(c >= 0, np.pad(m["weights"], ((0, 0), (width - m["weights"].shape[1], 0))), 0.0))
-                wv.append(count / count.sum(axis=1, keepdims=True))
+                left = ((0, 0), (width - m["cells"].shape[1], 0))
+                k_weights, v_weights = merge_weights(m, read.count[l, h, np.maximum(m["cells"], 0)])
+                cells.append(np.pad(m["cells"], left, constant_values=-1))
+                head.append(np.full(len(m["cells"]), h))
+                wk.append(np.pad(k_weights, left))
+                wv.append(np.pad(v_weights, left))
         n_merge = [sum(len(m["slots"]) for _, m in layer) for layer in merges]
         self.ctx.merge(n_merge, np.concatenate(cells), np.concatenate(head), np.concatenate(wk), np.concatenate(wv))
 
