@@ -431,14 +431,16 @@ def assert_same_merges(a, b, atol: float) -> None:
                 np.testing.assert_allclose(ma["weights"], mb["weights"], rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("method", ["kvslimmer", "meanmerge", "criticalkv+kvslimmer", "defensivekv"])
-def test_native_and_state_merge_and_keep_alike_on_tiny_f32_models(tiny, method):
+@pytest.mark.parametrize("arch,method", [("llama", m) for m in ("kvslimmer", "meanmerge", "criticalkv+kvslimmer", "defensivekv")]
+                         + [("gemma3", "criticalkv+kvslimmer"), ("qwen3", "kvslimmer")])
+def test_native_and_state_merge_and_keep_alike_on_tiny_f32_models(tiny, arch, method):
     """The methods that read K/V themselves run on the native backend too: the rows they read are copied from
     the device (a merge after CriticalKV only the rows CriticalKV kept), merged rows are summed on the device
     (patch 0021) and move with the other kept rows. Against the state backend: the same
     plans (kept rows, merges, key weights), the same reply, every cell's rows within 1e-3 at the end, and fewer
-    bytes copied (the state backend reads and writes back the whole cache at every event)."""
-    model = Model(tiny["llama"], n_gpu_layers=NGL)
+    bytes copied (the state backend reads and writes back the whole cache at every event). Every method on the tiny
+    Llama; merges in Gemma 3's full-attention cache (an iSWA memory) and on Qwen3, one method each."""
+    model = Model(tiny[arch], n_gpu_layers=NGL)
     tokens = model.tokenize(sample_text())[:600]
     native, r_native = run_engine(model, "native", method, tokens, 64, n_gen=200, chunk=32, recent=16, type_k=0, type_v=0)
     state, r_state = run_engine(model, "state", method, tokens, 64, n_gen=200, chunk=32, recent=16, type_k=0, type_v=0)
