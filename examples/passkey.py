@@ -6,7 +6,7 @@ A key is hidden at a given depth of ~N tokens of filler; the prompt ends with th
 method runs at each budget with the question's queries scoring every chunk (query-aware: the
 prompt's last tokens are the probe) and with the generic probe (agnostic). StreamingLLM does not
 look at queries, so it runs once per budget. The full cache runs first as the ceiling.
-Default model: qwen2.5-coder-0.5b (the 135M model does not retrieve past ~500 tokens even in full).
+Default model: qwen2.5-coder-0.5b (the 135M model does not retrieve a key far back even with the full cache).
 """
 
 from __future__ import annotations

@@ -9,9 +9,8 @@
 #
 # Needs nvcc, CMake, a C++ compiler and cuBLAS headers/libraries: the CUDA toolkit's own, or the
 # `nvidia-cublas` wheel unpacked (`pip download nvidia-cublas`, unzip; CUBLAS=its nvidia/cu13 folder).
-# GGML_CUDA_NO_VMM avoids linking libcuda, so no driver is needed. Measured on 2 shared cores, sm_90
-# only: 1 h 13 min; patches 0001-0018 with WITH_TESTS=1, 58 min 50 s; 0001-0020, 24 min 55 s on a quieter VM
-# (ggml_patches/README.md); it does not fit CI. GPU_LIBS=<BUILD_DIR>/build/bin ggml_patches/gpu_pack.sh packs the
+# GGML_CUDA_NO_VMM avoids linking libcuda, so no driver is needed. On 2 cores it takes most of an hour
+# (ggml_patches/README.md has the times); it does not fit CI. GPU_LIBS=<BUILD_DIR>/build/bin ggml_patches/gpu_pack.sh packs the
 # result for gpu_check.sh.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"

@@ -23,6 +23,7 @@ import time
 import uuid
 from typing import Iterator
 
+from kvlocal.chat.loops import LOOP_GUARD
 from kvlocal.chat.stops import until_stop
 from kvlocal.errors import UsageError
 
@@ -31,11 +32,11 @@ class Llama:
     def __init__(self, model_path: str | os.PathLike, *, n_ctx: int = 0, n_gpu_layers: int = 0,
                  n_threads: int | None = None, flash_attn: bool = False, verbose: bool = True,
                  budget: str | float | int = 0.1, method: str = "criticalkv", recall: bool | None = None,
-                 **ignored):
+                 loop_guard: int = LOOP_GUARD, **ignored):
         """``model_path``, ``n_ctx`` (0: the model's trained context; a ratio budget is a share of it),
-        ``n_gpu_layers``, ``n_threads``, ``flash_attn`` as llama-cpp-python's; ``budget``, ``method``, ``recall``
-        as :class:`kvlocal.Chat`'s. Other llama-cpp-python arguments (``n_batch``, ``seed``, ...) are accepted
-        and have no effect."""
+        ``n_gpu_layers``, ``n_threads``, ``flash_attn`` as llama-cpp-python's; ``budget``, ``method``, ``recall``,
+        ``loop_guard`` as :class:`kvlocal.Chat`'s (a reply the loop guard ends has ``finish_reason: "loop"``).
+        Other llama-cpp-python arguments (``n_batch``, ``seed``, ...) are accepted and have no effect."""
         from kvlocal.models import resolve
         from kvlocal.runtime import Model
 
@@ -43,7 +44,7 @@ class Llama:
         self.model = Model(self.model_path, n_gpu_layers=n_gpu_layers)
         self.verbose = verbose
         self._options = dict(budget=budget, method=method, ctx_size=n_ctx, n_threads=n_threads, flash_attn=flash_attn,
-                             recall=recall)
+                             recall=recall, loop_guard=loop_guard)
         self._chat = None
 
     def close(self) -> None:
@@ -105,10 +106,10 @@ class Llama:
         pieces = until_stop(chat.send(new, limit, tool_choice=tool_choice if tools else "auto"), stops)
         cid, created = f"chatcmpl-{uuid.uuid4()}", int(time.time())
 
-        def finish(stopped: bool) -> str:
+        def finish(stopped: bool) -> str:  # stopped: at a stop string
             if chat.tool_calls:
                 return "tool_calls"
-            return "stop" if stopped or chat.engine.stats.generated_tokens - g0 < limit else "length"
+            return "stop" if stopped else chat.finish_reason or "stop"
 
         if stream:
             return self._chunks(pieces, cid, created, model or self.model_path, finish, chat)

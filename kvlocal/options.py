@@ -13,7 +13,7 @@ from kvlocal.errors import UsageError
 
 def add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help="a .gguf file, a known model name (default: smollm2-135m, pulled on first use) or a Hugging Face "
+                   help="a .gguf file, a known model name (default: qwen2.5-coder-0.5b, pulled on first use) or a Hugging Face "
                         "repo: OWNER/REPO[:QUANT] or OWNER/REPO/FILE.gguf")
 
 
@@ -77,16 +77,64 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
                         "d/D of the work) or l1 (the paper's; equal quality measured: docs/engine.md)")
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """llama.cpp's sampling flags; the chain is llama.cpp's own (kvlocal/runtime/sampler.py)."""
+def add_sampling_args(p: argparse.ArgumentParser, interactive: bool = False) -> None:
+    """llama.cpp's sampling flags; the chain is llama.cpp's own (kvlocal/runtime/sampler.py). ``interactive`` (chat,
+    serve): an unset flag takes the model's own sampling (its GGUF's ``general.sampling.*``), else llama.cpp's and
+    Ollama's chat defaults; otherwise (run, bench, eval) decoding is greedy unless asked, so runs are reproducible."""
+    from kvlocal.chat.loops import LOOP_GUARD
+    from kvlocal.runtime import CHAT_SAMPLING
+
     g = p.add_argument_group("sampling (llama.cpp's sampler chain)")
-    g.add_argument("--temp", type=float, default=0.0, help="temperature (default 0: greedy)")
+    c = CHAT_SAMPLING
+    if interactive:
+        p.set_defaults(sampling="chat")
+        own = "the model's own if its GGUF declares one, else "
+        g.add_argument("--temp", type=float, default=None, help=f"temperature ({own}{c['temp']:g}; 0: greedy)")
+        g.add_argument("--top-k", type=int, default=None, help=f"top-k sampling ({own}{c['top_k']}; 0 = off)")
+        g.add_argument("--top-p", type=float, default=None, help=f"top-p sampling ({own}{c['top_p']:g}; 1.0 = off)")
+        g.add_argument("--min-p", type=float, default=None, help=f"min-p sampling ({own}{c['min_p']:g}; 0.0 = off)")
+        g.add_argument("--repeat-penalty", type=float, default=None,
+                       help=f"penalize repeated tokens ({own}{c['repeat_penalty']:g}; 1.0 = off)")
+        g.add_argument("--repeat-last-n", type=int, default=None,
+                       help=f"tokens the repeat penalty looks back on ({own}{c['repeat_last_n']}; 0 = off)")
+        g.add_argument("--seed", type=int, default=-1, help="sampling seed: the same seed, the same replies "
+                                                            "(default -1: random)")
+        g.add_argument("--loop-guard", type=int, default=LOOP_GUARD, metavar="N",
+                       help=f"end a reply once its last N tokens are one span repeated over and over "
+                            f"(default {LOOP_GUARD}; 0: off)")
+        return
+    p.set_defaults(sampling="greedy")
+    g.add_argument("--temp", type=float, default=0.0, help="temperature (default 0: greedy, reproducible)")
     g.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40, 0 = off)")
     g.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95, 1.0 = off)")
     g.add_argument("--min-p", type=float, default=0.05, help="min-p sampling (default 0.05, 0.0 = off)")
     g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalize repeated tokens (default 1.0 = off)")
     g.add_argument("--repeat-last-n", type=int, default=64, help="tokens the repeat penalty looks back on (default 64, 0 = off)")
     g.add_argument("--seed", type=int, default=-1, help="sampling seed (default -1: random)")
+
+
+def check_loop_guard(args) -> None:
+    """UsageError, naming the fix, for a ``--loop-guard`` the guard cannot take."""
+    from kvlocal.chat.loops import LoopGuard
+
+    try:
+        LoopGuard(args.loop_guard)
+    except ValueError as e:
+        raise UsageError(f"--loop-guard {e}") from None
+
+
+def sampling_params(args, model=None) -> dict:
+    """The Sampler keywords the sampling flags ask for: an interactive command's unset flags from
+    :func:`kvlocal.runtime.chat_sampling` (the model's own, else the chat defaults)."""
+    from kvlocal.runtime import chat_sampling
+
+    params = chat_sampling(model) if getattr(args, "sampling", "greedy") == "chat" else {}
+    for name in ("temp", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n"):
+        value = getattr(args, name)
+        if value is not None:
+            params[name] = value
+    params["seed"] = None if args.seed == -1 else args.seed
+    return params
 
 
 def input_file(flag: str, path: str):
@@ -135,13 +183,12 @@ def check_recall_args(args) -> None:
         check_spill_dir(args.recall_dir)
 
 
-def sampler_from_args(args):
+def sampler_from_args(args, model=None):
+    """The Sampler the flags ask for (``model``: whose own sampling an interactive command's unset flags take)."""
     from kvlocal.runtime import Sampler, SamplerParamError
 
     try:
-        return Sampler(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                       repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
-                       seed=None if args.seed == -1 else args.seed)
+        return Sampler(**sampling_params(args, model))
     except SamplerParamError as e:  # the parameters are named as the flags, with _ for -
         flag = "--" + e.param.replace("_", "-")
         rule = e.rule.replace("None (random)", "-1 (random)")

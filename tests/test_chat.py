@@ -1,5 +1,6 @@
 """kvlocal.Chat on the real llama.cpp and SmolLM2: saved sessions (identical next reply in a new
-process, every refusal), Ctrl-C semantics, and a chat that runs past the trained context."""
+process, every refusal), Ctrl-C semantics, and a chat that runs past the trained context. Every chat here decodes
+greedily (``sampler=Sampler()``): replies are compared across chats and processes."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from conftest import REPO, assert_usage_error, run_cli
 from kvlocal import Chat
 from kvlocal.chat import saved
 from kvlocal.errors import UsageError
+from kvlocal.runtime import Sampler
 
 sys.path.insert(0, str(Path(__file__).parent / "reference"))
 import tiny_gguf  # noqa: E402
@@ -30,7 +32,7 @@ Q1, Q2 = "What is this text about? Answer in one sentence.", "Name one thing it 
 def saved_chat(smollm2_model, tmp_path_factory):
     """A chat over a document with one exchange, saved; then the reply it gives to Q2."""
     path = tmp_path_factory.mktemp("session") / "doc.kvl"
-    with Chat(smollm2_model, budget=256) as chat:
+    with Chat(smollm2_model, sampler=Sampler(), budget=256) as chat:
         chat.read(PROSE[:6000], name="doc.txt")
         chat.ask(Q1, 24)
         size = chat.save(path)
@@ -42,7 +44,8 @@ def saved_chat(smollm2_model, tmp_path_factory):
 
 def test_saved_session_gives_the_identical_next_reply_in_a_new_process(saved_chat, smollm2):
     path, messages, r2 = saved_chat
-    code = ("import json, sys, kvlocal; c = kvlocal.Chat.load(sys.argv[1]); m = c.messages; "
+    code = ("import json, sys, kvlocal; c = kvlocal.Chat.load(sys.argv[1], sampler=kvlocal.runtime.Sampler()); "
+            "m = c.messages; "
             "print(json.dumps({'messages': m, 'reply': c.ask(sys.argv[2], 24), 'seen': c.stats.tokens_seen}))")
     out = subprocess.run([sys.executable, "-c", code, str(path), Q2], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr
@@ -90,7 +93,8 @@ def test_saved_session_refusals(saved_chat, smollm2, tmp_path):
 
 
 def test_ctrl_c_while_reading_leaves_the_chat_as_it_was(smollm2_model):
-    with Chat(smollm2_model, budget=256) as plain, Chat(smollm2_model, budget=256) as chat:
+    with Chat(smollm2_model, sampler=Sampler(), budget=256) as plain, \
+            Chat(smollm2_model, sampler=Sampler(), budget=256) as chat:
         expected = plain.ask("Say hello.", 12)
 
         def interrupt(done, total):
@@ -110,7 +114,7 @@ def test_the_status_line_shows_a_dash_for_a_rate_not_measured_yet(smollm2_model)
 
     from kvlocal.cli.repl import Repl
 
-    with Chat(smollm2_model, budget=256) as chat:
+    with Chat(smollm2_model, sampler=Sampler(), budget=256) as chat:
         repl = Repl(chat, interactive=False, out=io.StringIO(), err=io.StringIO())
         chat.read(PROSE[:2000])
         assert re.search(r"\[ prompt [\d,]+ t/s \| gen – t/s \| KV ", chat.status_line()), chat.status_line()
@@ -121,7 +125,7 @@ def test_the_status_line_shows_a_dash_for_a_rate_not_measured_yet(smollm2_model)
 
 
 def test_a_reply_stopped_early_stays_in_the_chat(smollm2_model):
-    with Chat(smollm2_model, budget=256) as chat:
+    with Chat(smollm2_model, sampler=Sampler(), budget=256) as chat:
         pieces = chat.send("Write a long story about a dragon.", 200)
         partial = "".join(next(pieces) for _ in range(5))
         pieces.close()
@@ -141,7 +145,7 @@ def test_a_chat_runs_past_the_trained_context(smollm2_model):
     key = "58213"
     doc = LICENSE[:11000] + f"\n\nThe pass key is {key}. Remember it: the pass key is {key}.\n\n" + LICENSE[11000:14000]
     # recall off: this is about positions (the recall tier through the moves: the next test)
-    with Chat(smollm2_model, budget=400, recall=False) as chat:
+    with Chat(smollm2_model, sampler=Sampler(), budget=400, recall=False) as chat:
         chat.engine.position_limit = 1200
         moves = []
         chat.read(doc, progress=lambda done, total: moves.append((done, chat.engine.stats.repositions)))
@@ -164,7 +168,7 @@ def test_the_recall_tier_follows_positions_moved_back(smollm2_model):
     each move (kvlocal before 2026-12-03) this reply lost the key's last digit."""
     key = "58213"
     doc = LICENSE[:11000] + f"\n\nThe pass key is {key}. Remember it: the pass key is {key}.\n\n" + LICENSE[11000:14000]
-    with Chat(smollm2_model, budget=400, recall=True) as chat:
+    with Chat(smollm2_model, sampler=Sampler(), budget=400, recall=True) as chat:
         e = chat.engine
         e.position_limit = 1200
         moves = []
@@ -205,14 +209,14 @@ def test_saved_merged_and_sliding_window_sessions_reload(request, tmp_path, mode
     sliding-window model's second cache and a q8_0 cache (merged rows re-quantized) come back from a
     file as they were."""
     model = request.getfixturevalue(model)
-    with Chat(model, budget=256, method=method, cache_type_k=cache, cache_type_v=cache) as chat:
+    with Chat(model, sampler=Sampler(), budget=256, method=method, cache_type_k=cache, cache_type_v=cache) as chat:
         chat.read(LICENSE[:5000], name="license")
         chat.save(tmp_path / "s.kvl")
         counts = chat.engine.kv.record.count.copy()
         expected = chat.ask(Q2, 12)
     if method == "kvslimmer":
         assert counts.max() > 1  # the file holds merged slots
-    with Chat.load(tmp_path / "s.kvl", model=model) as chat:
+    with Chat.load(tmp_path / "s.kvl", model=model, sampler=Sampler()) as chat:
         assert chat.settings.cache_type_k == chat.settings.cache_type_v == cache
         assert np.array_equal(chat.engine.kv.record.count, counts)
         assert chat.ask(Q2, 12) == expected
@@ -224,23 +228,24 @@ def test_value_norm_reaches_the_scorer_and_the_saved_session(smollm2_model, tmp_
     norm, or a norm or observation not known, is refused before any model work."""
     from kvlocal.compress import norm_p
 
-    with Chat(smollm2_model, budget=128, value_norm="l1", low_water=0.5, prefill_observe="window") as chat:
+    with Chat(smollm2_model, sampler=Sampler(), budget=128, value_norm="l1", low_water=0.5,
+              prefill_observe="window") as chat:
         chat.read(PROSE[:2000], name="doc.txt")
         s = chat.engine.stats
         assert s.compression_events > 1 and norm_p(chat.engine.scorer) == 1
         assert s.observations_window == s.compression_events - 1  # the reading's events: no probe decoded but the last
         chat.save(tmp_path / "l1.kvl")
-    with Chat.load(tmp_path / "l1.kvl", model=smollm2_model) as chat:  # the reading's low water is kept too
+    with Chat.load(tmp_path / "l1.kvl", model=smollm2_model, sampler=Sampler()) as chat:  # the reading's low water is kept too
         assert norm_p(chat.engine.scorer) == 1 and chat.engine.cfg.low_water == 0.5
         assert chat.engine.cfg.prefill_observe == "window"
         chat.reconfigure(method="snapkv")  # /method: a method without the norm runs; switching back keeps L1
         assert chat.settings.method == "snapkv" and chat.settings.value_norm == "l1"
         chat.reconfigure(method="criticalkv")
         assert norm_p(chat.engine.scorer) == 1
-    with Chat(smollm2_model, budget=128) as chat:  # the default: L2 (kvlocal.engine.VALUE_NORM)
+    with Chat(smollm2_model, sampler=Sampler(), budget=128) as chat:  # the default: L2 (kvlocal.engine.VALUE_NORM)
         assert norm_p(chat.engine.scorer) == 2
     for kw, says in ((dict(method="snapkv", value_norm="l2"), "method snapkv has no value norm"),
                      (dict(value_norm="l3"), "give one of l1, l2"), (dict(low_water=0), "low_water 0"),
                      (dict(prefill_observe="question"), "give one of probe, window")):
         with pytest.raises(UsageError, match=says):
-            Chat(smollm2_model, budget=128, **kw)
+            Chat(smollm2_model, sampler=Sampler(), budget=128, **kw)

@@ -353,16 +353,17 @@ def test_a_full_disk_is_one_line_and_nothing_half_done(smollm2, tmp_path):
 
 def test_a_saved_chat_carries_its_tier(smollm2_model, tmp_path):
     import kvlocal
+    from kvlocal.runtime import Sampler  # greedy: the replies before and after loading are compared
 
     text = sample_text()[:2500]
-    with kvlocal.Chat(smollm2_model, budget=64, n_threads=1, recall_steps=3) as chat:
+    with kvlocal.Chat(smollm2_model, sampler=Sampler(), budget=64, n_threads=1, recall_steps=3) as chat:
         chat.read(text)
         "".join(chat.send("Who is speaking?", max_tokens=4))
         rows = chat.engine.tier.n_rows
         assert rows > 0 and chat.stats.host_tier_bytes > 0
         chat.save(tmp_path / "s.kvl")
         want = "".join(chat.send("And then?", max_tokens=8))
-    with kvlocal.Chat.load(tmp_path / "s.kvl", model=smollm2_model, n_threads=1) as again:
+    with kvlocal.Chat.load(tmp_path / "s.kvl", model=smollm2_model, sampler=Sampler(), n_threads=1) as again:
         assert again.engine.tier.n_rows == rows
         assert again.engine.recall_steps == 3  # the saved settings, answer steps included
         assert "".join(again.send("And then?", max_tokens=8)) == want  # the same rows came back, the same reply
@@ -382,8 +383,10 @@ FACTS = [  # six facts of different forms, each asked in a turn of its own after
 
 def ask_all(model: Model, doc: str, n_doc: int, **chat) -> list[bool]:
     import kvlocal
+    from kvlocal.runtime import Sampler
 
-    with kvlocal.Chat(model, ctx_size=n_doc + 800, **chat) as c:  # room for the six turns
+    # greedy: configurations are compared on the same decoding
+    with kvlocal.Chat(model, sampler=Sampler(), ctx_size=n_doc + 800, **chat) as c:  # room for the six turns
         c.read(doc)
         return [want in "".join(c.send(q + " Answer with the number only.", max_tokens=10)) for _, q, want in FACTS]
 

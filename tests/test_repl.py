@@ -30,8 +30,8 @@ from pathlib import Path
 from conftest import REPO
 
 STEP = 240  # seconds one step may take: 2 slow shared cores
-STATUS = re.compile(r"\[ prompt (?:[\d,]+|–) t/s \| gen (?:[\d,]+|–) t/s \| KV ([\d,]+) of ([\d,]+) tokens kept · [\d,]+ MiB "
-                    r"\(full: [\d,]+ MiB\)[^\]\n]*\]")
+STATUS = re.compile(r"\[ prompt (?:[\d,]+|–) t/s \| gen (?:[\d,]+|–) t/s \| KV ([\d,]+) of ([\d,]+) tokens kept in [\d,.]+ MiB "
+                    r"\((?:llama\.cpp's cache at -c \d+|a full cache for all [\d,]+): [\d,.]+ MiB\)[^\]\n]*\]")
 # readline's prompt, waiting at the end of stdout (after a line, or the tty's echo of a Ctrl-C whose
 # message went to stderr)
 PROMPT = re.compile(r"(?:^|\n|\^C)> $")
@@ -82,6 +82,8 @@ class Term:
         self.er, er_slave = (None, io_slave) if one_screen else _pty()
         env = {**os.environ, "KVLOCAL_CACHE": str(cache), "TERM": "xterm", "COLUMNS": "400", "LINES": "50",
                "INPUTRC": os.devnull}  # KVLOCAL_CACHE: readline's history goes there; INPUTRC: not the user's
+        # greedy: replies are compared across chats and processes (the REPL's mechanics are under test, not sampling)
+        args = ("--temp", "0", "--repeat-penalty", "1", *args)
         self.proc = subprocess.Popen([sys.executable, "-m", "kvlocal", "chat", *args], stdin=io_slave, stdout=io_slave,
                                      stderr=er_slave, cwd=cwd, env=env, start_new_session=True,
                                      preexec_fn=_take_terminal, close_fds=True)
@@ -231,8 +233,8 @@ def test_session(term, smollm2, tmp_path):
 
     doc = _document(tmp_path)
     t = term(str(smollm2), "--budget", "256", "-n", "24")
-    t.expect(r"kvlocal chat · SmolLM2-135M-Instruct\.Q4_1\.gguf · criticalkv · budget 256: 256 cells "
-             r"\([\d,]+ allocated, [\d,]+ MiB\) · llama-cpp-python [^\n]*patched")
+    t.expect(r"kvlocal chat · SmolLM2-135M-Instruct\.Q4_1 · budget 256: 256 tokens in [\d,]+ MiB "
+             r"\(llama\.cpp's cache at -c 8192: 180 MiB\) · criticalkv, recall on, state backend · greedy\n")
     t.expect(r"Type a message, /help for commands; Ctrl-C stops a reply, Ctrl-D exits\.")
     t.prompt()
 
@@ -272,13 +274,16 @@ def test_session(term, smollm2, tmp_path):
     assert reply.strip() and _statuses(t) == before + 2
 
     t.line("/stats")
-    rows = t.expect(r"  model +SmolLM2-135M-Instruct\.Q4_1\.gguf\n"
-                    r"  method +criticalkv, budget 256: 256 cells \(512 allocated\)\n"
-                    r"  tokens +([\d,]+) seen \(([\d,]+) read, ([\d,]+) generated, ([\d,]+) end-of-reply\), ([\d,]+) kept\n"
-                    r"  KV memory +[\d,.]+ MiB \(K f16, V f16\); a full cache for [\d,]+ tokens: [\d,.]+ MiB\n"
-                    r"  compression +(\d+) events?, [\d.]+ s[^\n]*\n"
-                    r"  recall +tier [\d,.]+ MiB of host memory, [\d,]+ rows stored, "
+    rows = t.expect(r"  model +SmolLM2-135M-Instruct\.Q4_1\.gguf; criticalkv, budget 256; sampling greedy\n"
+                    r"  tokens_seen +([\d,]+): ([\d,]+) read, ([\d,]+) generated, ([\d,]+) end-of-reply\n"
+                    r"  tokens_kept +([\d,]+) in the cache now\n"
+                    r"  budget_cells +256 \(512 cells allocated: the budget, a chunk and the recent span\)\n"
+                    r"  kv_bytes +[\d,.]+ MiB allocated for this cache \(K f16, V f16\)\n"
+                    r"  ctx_size +8,192 tokens: the context the budget is a share of[^\n]*\n"
+                    r"  kv_bytes_full +180\.0 MiB: llama\.cpp's own cache, uncompressed, for ctx_size\n"
+                    r"  host_tier_bytes +[\d,.]+ MiB of host memory: the recall tier, [\d,]+ rows stored, "
                     r"[\d,]+ brought back \(a row may come back often\) by \d+ questions?[^\n]*\n"
+                    r"  compression +(\d+) events?, [\d.]+ s[^\n]*\n"
                     r"  speed +last turn: prompt (?:[\d,.]+|–) t/s, gen (?:[\d,.]+|–) t/s; all: read [\d.]+ s, generate [\d.]+ s\n"
                     r"  positions +moved back under the trained 8,192 0 times\n"
                     r"  messages +(\d+)\n")
@@ -353,7 +358,7 @@ def test_ctrl_c_stops_a_reply_and_keeps_it(term, smollm2, tmp_path):
     t.prompt()
 
     t.line("/stats")
-    t.expect(rf"  tokens +{seen} seen")  # nothing of the cancelled document
+    t.expect(rf"  tokens_seen +{seen}:")  # nothing of the cancelled document
     t.expect(r"  messages +4\n")  # the story's question, the story so far, the question, its answer
     t.prompt()
     t.line("/save s.kvl")
@@ -386,7 +391,7 @@ def test_a_saved_chat_gives_the_same_next_reply_in_a_new_process(term, smollm2, 
     (tmp_path / "cut.kvl").write_bytes(data[:len(data) - 1000])
 
     b = term(str(smollm2), "--load", "s.kvl")
-    b.expect(r"kvlocal chat · SmolLM2-135M-Instruct\.Q4_1\.gguf · criticalkv · budget 256: 256 cells")
+    b.expect(r"kvlocal chat · SmolLM2-135M-Instruct\.Q4_1 · budget 256: 256 tokens")
     b.prompt()
     reply, status_b = b.ask(q2)
     assert reply == r2

@@ -57,9 +57,12 @@ def _env() -> dict:
 class Server:
     """A `kvlocal serve` subprocess; its stderr goes to a file (read by the tests, never a full pipe)."""
 
-    def __init__(self, log: Path, *args: str, preexec_fn=None):
+    def __init__(self, log: Path, *args: str, preexec_fn=None, greedy: bool = True):
+        """``greedy``: the server's default sampling is greedy (``--temp 0 --repeat-penalty 1``), so that replies
+        can be compared; False: the server's own defaults."""
         self.log_path = log
         self._log = open(log, "w")
+        args = ("--temp", "0", "--repeat-penalty", "1", *args) if greedy else args
         self.proc = subprocess.Popen([*_serve_command(), MODEL, *args], stdout=subprocess.DEVNULL, stderr=self._log,
                                      cwd=REPO, env=_env(), preexec_fn=preexec_fn)
         self.url = self._wait_for_url()
@@ -171,11 +174,11 @@ def test_completion(server):
     u = r["usage"]
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] and 10 < u["prompt_tokens"] < 100
     kv = r["kv"]
-    assert set(kv) >= {"tokens_kept", "tokens_seen", "bytes_allocated", "bytes_full", "method", "budget",
+    assert set(kv) >= {"tokens_kept", "tokens_seen", "kv_bytes", "kv_bytes_full", "ctx_size", "method", "budget",
                        "cache_reused", "compression_events"}
     assert kv["method"] == "criticalkv" and kv["budget"] == "256" and kv["cache_reused"] is False
     # the cache also holds the end-of-generation token that ended the reply (not a completion token)
-    assert kv["tokens_seen"] == u["total_tokens"] + 1 and kv["bytes_allocated"] > 0
+    assert kv["tokens_seen"] == u["total_tokens"] + 1 and 0 < kv["kv_bytes"] < kv["kv_bytes_full"]
 
 
 def test_max_tokens_and_stop_strings(server):
@@ -483,8 +486,10 @@ def test_startup_usage_errors(server, tmp_path):
 
 
 def test_api_key(smollm2, tmp_path):
-    s = Server(tmp_path / "stderr.txt", "--budget", "256", "--port", "0", "--api-key", "sesame")
+    s = Server(tmp_path / "stderr.txt", "--budget", "256", "--port", "0", "--api-key", "sesame", greedy=False)
     try:
+        # the server's own sampling: the chat defaults (SmolLM2's file declares none), said at start
+        assert "sampling temp 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat penalty 1.1, random seed" in s.log()
         url = s.url + "/v1/chat/completions"
         body = {"messages": GERMANY, "max_tokens": 8}
         assert_error(httpx.post(url, json=body, timeout=30), 401, None, "missing API key")

@@ -101,8 +101,9 @@ def test_malformed_tool_schemas_are_refused(tools, fragment):
 # -- kvlocal.Chat on Qwen2.5-Coder-0.5B ----------------------------------------------------------------------
 def test_chat_with_tools_pins_them_and_continues_with_the_result(qwen_model, tmp_path):
     from kvlocal import Chat
+    from kvlocal.runtime import Sampler
 
-    with Chat(qwen_model, budget=0.1, ctx_size=4096, tools=TOOLS) as chat:
+    with Chat(qwen_model, sampler=Sampler(), budget=0.1, ctx_size=4096, tools=TOOLS) as chat:  # greedy
         text = "".join(chat.send(QUESTION[0]["content"], max_tokens=64))
         assert text == "" and asks_lisbon(chat.tool_calls), chat.tool_calls
         s = chat.stats

@@ -14,7 +14,7 @@ queries that re-selection is observed by (scaled, in the keys' basis):
   device's cells, ``m`` their largest logit): as the page bounds bound it (``PAGE · exp(bound - m)`` summed over the
   pages) and exactly — the test a step could use to skip its swap where the tier has nothing to add.
 
-Figures of one run on one text; the tier's own keys are read in numpy, so this is slow (a minute at 4K on SmolLM2).
+Figures of one run on one text; the tier's own keys are read in numpy, so this is slow.
 """
 
 from __future__ import annotations

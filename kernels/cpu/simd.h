@@ -12,7 +12,7 @@
  * Other compilers (MSVC) get the generic template with KVL_VW 1: plain scalar C.
  *
  * GCC disables FMA contraction under -std=c11; the .c files turn it back on (`a += b * c` must become
- * one fused multiply-add on AVX2/AVX-512, which halves the time of the products). */
+ * one fused multiply-add on AVX2/AVX-512, one instruction where a multiply and an add would take two). */
 
 #ifndef KVLOCAL_SIMD_H
 #define KVLOCAL_SIMD_H

@@ -8,7 +8,7 @@
  * F16 cache's cells (k16): each whole block is transposed as 16-bit words (transpose.c's SSE2 tiles), then
  * converted in one pass (exactly, F16C where the CPU has it), instead of the whole cache being converted to
  * float32 first. With few query rows (a recall step's one query) building the blocks is most of the work: `perf`
- * put three quarters of a step's votes in the element-by-element transpose of converted rows this replaced. */
+ * put most of a step's votes in the element-by-element transpose of converted rows this replaced (docs/recall.md). */
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=fast")

@@ -2,7 +2,7 @@
 
     import kvlocal
 
-    with kvlocal.Chat("smollm2-135m", budget=0.1) as chat:
+    with kvlocal.Chat("qwen2.5-coder-0.5b", budget=0.1) as chat:
         chat.read("report.txt")                 # a long document, compressed while it is read
         for piece in chat.send("Who signed it?"):
             print(piece, end="", flush=True)
@@ -39,7 +39,8 @@ from kvlocal.engine import OBSERVE_EVERY, RECALL_STEPS, Budget, Engine, EngineSt
 from kvlocal.engine.config import PREFILL_OBSERVE, check_low_water, check_prefill_observe
 from kvlocal.errors import UsageError
 from kvlocal.recall import parse_size
-from kvlocal.runtime import Model, RowRecord, Sampler, cache_type, kv_cache_bytes, pad_cells, runtime_info
+from kvlocal.runtime import Model, RowRecord, Sampler, cache_type, chat_sampling, runtime_info
+from kvlocal.chat.loops import LOOP_GUARD, LoopGuard
 from kvlocal.chat.session import ChatSession, Transcript
 from kvlocal.chat.tools import CallFilter, check_tool_choice, check_tools, forced_prefix
 
@@ -70,6 +71,7 @@ class ChatSettings:
     value_norm: str | None = None  # CriticalKV's value norm, "l1" or "l2" (None: the engine's VALUE_NORM, L2)
     low_water: float | None = None  # the share of the budget a reading's events leave before its last (None: the engine's)
     prefill_observe: str = PREFILL_OBSERVE  # a reading's events before its last: the "probe" decoded, or the "window"
+    loop_guard: int = LOOP_GUARD  # a reply ends once its last loop_guard tokens repeat one span (0: off)
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,8 @@ class ChatStats:
     kv_cells_allocated: int  # llama.cpp's n_ctx
     budget_cells: int
     kv_bytes: int  # K/V bytes llama.cpp allocated for this chat (both caches of a sliding-window model)
-    kv_bytes_full: int  # what a stock llama.cpp cache for tokens_seen would allocate
+    kv_bytes_full: int  # what llama.cpp's own cache allocates for ctx_size (for tokens_seen, once they are more)
+    ctx_size: int  # the context the chat is sized for (-c; default the model's trained context)
     host_tier_bytes: int  # the recall tier's host memory (0 with recall off)
     kv_cells_pinned: int  # cells of the system message, never evicted
     compression_events: int
@@ -121,6 +124,7 @@ class Chat:
         value_norm: str | None = None,
         low_water: float | None = None,
         prefill_observe: str = PREFILL_OBSERVE,
+        loop_guard: int = LOOP_GUARD,
     ):
         for t in (cache_type_k, cache_type_v):
             cache_type(t)  # UsageError naming the choices, before a model is loaded
@@ -135,10 +139,14 @@ class Chat:
         check_prefill_observe(prefill_observe)
         if isinstance(recall_mem, str):
             recall_mem = parse_size(recall_mem)
+        try:
+            LoopGuard(loop_guard)
+        except ValueError as e:
+            raise UsageError(f"loop_guard {e}") from None
         settings = ChatSettings(str(Budget.parse(budget)), method, ctx_size, chunk, recent, flash_attn, system, max_reply,
                                 cache_type_k.lower(), cache_type_v.lower(), backend, recall, recall_mem,
                                 None if recall_dir is None else os.fspath(recall_dir), pin_system, observe_every,
-                                recall_steps, value_norm, low_water, prefill_observe)
+                                recall_steps, value_norm, low_water, prefill_observe, loop_guard)
         if isinstance(model, Model):
             self.model, self._own_model = model, False
         else:
@@ -146,7 +154,7 @@ class Chat:
 
             self.model, self._own_model = Model(resolve(None if model is None else str(model)), n_gpu_layers=n_gpu_layers), True
         self._lock = threading.RLock()
-        self.sampler = sampler or Sampler()
+        self.sampler = sampler or Sampler(**chat_sampling(self.model))
         self._threads = n_threads
         self._before_turn: tuple | None = None  # for regen: (state, transcript, messages sent, tool_choice)
         self._turn_rates = (0.0, 0.0)
@@ -159,7 +167,8 @@ class Chat:
                                      f"use a model whose template does (e.g. Qwen2.5), or leave tools out")
             self.settings = settings
             self.engine = self._new_engine(settings)
-            self.session = ChatSession(self.engine, self.sampler, system=system, pin_system=pin_system, tools=tools)
+            self.session = ChatSession(self.engine, self.sampler, system=system, pin_system=pin_system, tools=tools,
+                                       loop_guard=loop_guard)
         except BaseException:
             self.close()
             raise
@@ -331,27 +340,35 @@ class Chat:
     @property
     def stats(self) -> ChatStats:
         with self._lock:
-            s, e = self.engine.stats, self.engine
-            seen = s.tokens_seen
+            s, f = self.engine.stats, self.engine.kv_figures()
             return ChatStats(
-                tokens_seen=seen, kv_tokens_kept=s.kv_cells_live, kv_cells_allocated=s.n_ctx, budget_cells=e.budget_cells,
-                kv_bytes=s.kv_bytes_allocated, kv_bytes_full=sum(kv_cache_bytes(self.model, pad_cells(max(seen, 1)), bias=False,
-                                                                 bytes_per_elem=self.engine.bytes_per_value)),
-                host_tier_bytes=s.host_tier_bytes, kv_cells_pinned=s.kv_cells_pinned,
+                tokens_seen=f["tokens_seen"], kv_tokens_kept=f["tokens_kept"], kv_cells_allocated=s.n_ctx,
+                budget_cells=f["budget_cells"], kv_bytes=f["kv_bytes"], kv_bytes_full=f["kv_bytes_full"],
+                ctx_size=f["ctx_size"], host_tier_bytes=f["host_tier_bytes"], kv_cells_pinned=s.kv_cells_pinned,
                 compression_events=s.compression_events, repositions=s.repositions,
                 prompt_tokens_per_s=self._turn_rates[0], gen_tokens_per_s=self._turn_rates[1],
                 method=self.settings.method, budget=self.settings.budget)
 
     def status_line(self) -> str:
-        """llama-cli's kind of summary: ``[ prompt 312 t/s | gen 41 t/s | KV 1,843 of 18,430 tokens kept ·
-        22 MiB (full: 216 MiB) ]``; a rate not measured yet (nothing generated so far) is a dash."""
+        """llama-cli's kind of summary: ``[ prompt 312 t/s | gen 41 t/s | KV 819 of 6,012 tokens kept in 23 MiB
+        (llama.cpp's cache at -c 8192: 180 MiB) ]`` — the tokens the cache holds of those the chat has seen, the memory this cache
+        allocated, and what llama.cpp's own cache allocates for the same context (for every token seen, past it).
+        A rate not measured yet (nothing generated so far) is a dash."""
         s = self.stats
-        mib = 2**20
+        full = (f"llama.cpp's cache at -c {s.ctx_size}: {_mib(s.kv_bytes_full)}" if s.tokens_seen <= s.ctx_size
+                else f"a full cache for all {s.tokens_seen:,}: {_mib(s.kv_bytes_full)}")
         return (f"[ prompt {rate_text(s.prompt_tokens_per_s)} t/s | gen {rate_text(s.gen_tokens_per_s)} t/s | "
-                f"KV {s.kv_tokens_kept:,} of {s.tokens_seen:,} tokens kept · {s.kv_bytes / mib:,.0f} MiB "
-                f"(full: {s.kv_bytes_full / mib:,.0f} MiB)"
-                + (f" · recall tier {s.host_tier_bytes / mib:,.0f} MiB" if s.host_tier_bytes else "")
+                f"KV {s.kv_tokens_kept:,} of {s.tokens_seen:,} tokens kept in {_mib(s.kv_bytes)} ({full})"
+                + (f" · recall tier {_mib(s.host_tier_bytes)}" if s.host_tier_bytes else "")
                 + (f" · positions moved ×{s.repositions}" if s.repositions else "") + " ]")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """How the last reply ended: ``"stop"`` (the model ended it), ``"length"`` (its token limit), ``"loop"``
+        (the loop guard ended a reply that kept repeating one span: ``loop_guard``), ``"tool_calls"`` (it made
+        tool calls); None before any reply, or for one stopped by its reader (Ctrl-C, a closed iterator)."""
+        finish = self.session.finish
+        return "tool_calls" if finish == "stop" and self.tool_calls else finish
 
     # -- saving ---------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> int:
@@ -415,7 +432,7 @@ class Chat:
                    cache_type_k=s.cache_type_k, cache_type_v=s.cache_type_v, backend=s.backend, recall=s.recall,
                    recall_mem=s.recall_mem, recall_dir=s.recall_dir, pin_system=s.pin_system,
                    observe_every=s.observe_every, recall_steps=s.recall_steps, value_norm=s.value_norm,
-                   low_water=s.low_water, prefill_observe=s.prefill_observe)
+                   low_water=s.low_water, prefill_observe=s.prefill_observe, loop_guard=s.loop_guard)
         try:
             a, e = f.arrays, h["engine"]
             if chat.engine.tier is not None and "tier_n" in a:
@@ -501,7 +518,7 @@ class Chat:
         """A new engine holding ``transcript`` (read again), swapped in only when it is complete."""
         engine = self._new_engine(settings)
         try:
-            session = ChatSession(engine, self.sampler, pin_system=settings.pin_system)
+            session = ChatSession(engine, self.sampler, pin_system=settings.pin_system, loop_guard=settings.loop_guard)
             session.t = transcript
             if transcript.fed_text:
                 users = [m["content"] for m in transcript.messages if m["role"] == "user"]
@@ -515,6 +532,12 @@ class Chat:
         self.engine.ctx.close()
         self.engine, self.session, self.settings = engine, session, settings
         self._before_turn = None
+
+
+def _mib(n: int) -> str:
+    """Bytes as the status line prints them: whole MiB, one decimal under 10 MiB."""
+    m = n / 2**20
+    return f"{m:,.1f} MiB" if m < 10 else f"{m:,.0f} MiB"
 
 
 def rate_text(rate: float, digits: int = 0) -> str:

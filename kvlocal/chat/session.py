@@ -21,6 +21,7 @@ import codecs
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from kvlocal.chat.loops import LoopGuard
 from kvlocal.engine import Engine
 from kvlocal.errors import UsageError
 from kvlocal.runtime import Sampler
@@ -45,11 +46,13 @@ class Transcript:
 
 class ChatSession:
     def __init__(self, engine: Engine, sampler: Sampler, system: str | None = None, pin_system: bool = True,
-                 tools: list[dict] | None = None):
+                 tools: list[dict] | None = None, loop_guard: int = 0):
         self.engine, self.model, self.sampler = engine, engine.model, sampler
         self.t = Transcript([{"role": "system", "content": system}] if system else [], tools=tools or None)
         self.pin_system = pin_system  # the system message and tool definitions are never evicted (:meth:`pin`)
+        self.loop_guard = loop_guard  # a reply ends once its last loop_guard tokens repeat one span (0: off)
         self.interrupted = False  # the last reply was cut short (Ctrl-C, or its reader stopped)
+        self.finish = None  # how the last reply ended: "stop" (the model ended it), "length", "loop"; None: interrupted
 
     @property
     def messages(self) -> list[dict]:
@@ -154,19 +157,26 @@ class ChatSession:
     def _reply(self, max_tokens: int, prefix: str = "", message: bool = True) -> Iterator[str]:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         reply_tokens: list[int] = []
-        self.interrupted = True
+        guard = LoopGuard(self.loop_guard)
+        self.interrupted, self.finish = True, None
         try:
             if prefix:
                 yield prefix
+            finish = "length"
             for tok in self.engine.generate(max_tokens, self.sampler):
                 reply_tokens.append(tok)
                 piece = decoder.decode(self.model.token_bytes(tok))
                 if piece:
                     yield piece
+                if guard.feed(tok):
+                    finish = "loop"
+                    break
             tail = decoder.decode(b"", final=True)
             if tail:
                 yield tail
-            self.interrupted = False
+            if finish == "length" and self.model.is_eog(self.engine.last_token) and len(reply_tokens) < max_tokens:
+                finish = "stop"
+            self.interrupted, self.finish = False, finish
         finally:  # also on Ctrl-C or a reader that stopped: what was decoded is in the cache
             reply = self.model.detokenize(reply_tokens)
             if message:  # a chat's reply (not a plain completion's text)

@@ -68,25 +68,15 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_pull(args) -> int:
-    from kvlocal.models import KNOWN_MODELS, pull
+    from kvlocal.models import DEFAULT_MODEL, KNOWN_MODELS, pull
 
     if args.list:
         for m in KNOWN_MODELS.values():
             print(f"{m.name:<20} {m.size / 2**20:7.1f} MiB  {m.description}")
         return 0
-    path = pull(args.name, force=args.force, quiet=args.quiet)
+    path = pull(args.name or DEFAULT_MODEL, force=args.force, quiet=args.quiet)
     print(path)
     return 0
-
-
-
-
-
-
-
-
-
-
 
 
 def cmd_chat(args) -> int:
@@ -138,14 +128,16 @@ def cmd_run(args) -> int:
         Path(args.dump_plan).write_text(plan.to_json() if plan else "null")
     result = {"text": answer, "prompt_tokens": len(tokens), "generated_tokens": len(out), "method": args.method,
               "budget": args.budget, "cache_type_k": args.cache_type_k, "cache_type_v": args.cache_type_v, "observation": "question" if args.question else "agnostic" if args.agnostic else "prompt-tail",
-              **{k: v for k, v in engine.stats.as_dict().items() if k not in ("prompt_tokens", "generated_tokens")}}
+              **{k: v for k, v in engine.stats.as_dict().items() if k not in ("prompt_tokens", "generated_tokens")},
+              **engine.kv_figures()}  # the names the chat's /stats and the server's kv object use
     if args.json:
         print(json.dumps(result))
     else:
         print(answer)
         s = engine.stats
         print(f"[{args.method} budget {args.budget} ({s.backend}): {kept} of {len(tokens)} prompt tokens kept · "
-              f"n_ctx {s.n_ctx} · KV {s.kv_bytes_allocated / 2**20:.1f} MiB · kvlocal's own "
+              f"n_ctx {s.n_ctx} · KV {s.kv_bytes_allocated / 2**20:.1f} MiB (llama.cpp's cache for "
+              f"{engine.cfg.max_tokens} tokens: {s.kv_bytes_full / 2**20:.1f} MiB) · kvlocal's own "
               f"{(s.wo_cache_bytes + s.host_bytes_peak) / 2**20:.1f} MiB · "
               + (f"recall tier {s.host_tier_bytes / 2**20:.1f} MiB, {s.recall_rows_in} rows back · " if engine.tier else "")
               + f"{s.compression_events} compression{'' if s.compression_events == 1 else 's'} "
@@ -175,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"kvlocal {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("chat", help="chat with a model in a bounded KV cache (default model: smollm2-135m)",
+    p = sub.add_parser("chat", help="chat with a model in a bounded KV cache (default model: qwen2.5-coder-0.5b)",
                        description="A terminal chat in a bounded KV cache: streamed replies, a status line of what the "
                                    "cache keeps, /read FILE, /save and /load, /help for the commands.")
     add_model_arg(p)
@@ -188,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--file", action="append", metavar="DOC", help="read a text file into the chat before the first "
                    "message (repeatable); ask about it after")
     p.add_argument("--load", metavar="PATH", help="continue a chat saved with /save (the same model)")
-    add_sampling_args(p)
+    add_sampling_args(p, interactive=True)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible server whose conversations keep their compressed caches",
@@ -215,8 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("pull", help="download a known model, or a GGUF from a Hugging Face repo")
-    p.add_argument("name", nargs="?", default="smollm2-135m",
-                   help="a known model (default smollm2-135m; --list shows them) or OWNER/REPO[:QUANT], "
+    p.add_argument("name", nargs="?", default=None,
+                   help="a known model (default qwen2.5-coder-0.5b; --list shows them) or OWNER/REPO[:QUANT], "
                         "OWNER/REPO/FILE.gguf (Hugging Face; HF_ENDPOINT, HF_HOME and HF_TOKEN are honoured)")
     p.add_argument("--list", action="store_true", help="list the known models")
     p.add_argument("--force", action="store_true", help="download again even if cached")
@@ -251,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     # OpenMP's wait policy is left to the user (the OMP_WAIT_POLICY variable): ggml's threads meet at a barrier after
-    # every op, and threads that sleep there instead of spinning a moment made decoding 2.2-2.7x slower in a bounded cache
-    # (docs/engine.md § OpenMP's idle threads). Only `verify`, which runs torch's OpenMP beside ggml's, asks for
+    # every op, and threads that sleep there instead of spinning a moment decode much slower in a bounded cache
+    # (docs/engine.md § OpenMP's idle threads has the measurement). Only `verify`, which runs torch's OpenMP beside ggml's, asks for
     # PASSIVE (kvlocal.cli.verify.run).
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -426,7 +426,7 @@ def run_recall_cost(args, model: Model) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("model", nargs="?", default=None, help="a .gguf file or known model (default smollm2-135m)")
+    p.add_argument("model", nargs="?", default=None, help="a .gguf file or known model (default qwen2.5-coder-0.5b)")
     p.add_argument("--budget", default="0.1")
     p.add_argument("--method", default="criticalkv")
     p.add_argument("--long", type=int, default=8192 - 64 - 1, help="tokens of the long prompt (default 8127: 8K with decode)")

@@ -138,6 +138,11 @@ class Repl:
             self.say("[stopped: the reply so far stays in the chat]")
         else:
             self.out.write("\n")
+            note = {"loop": f"[stopped: the reply kept repeating itself (--loop-guard {self.chat.settings.loop_guard}; "
+                            f"0 turns the guard off); /regen draws another]",
+                    "length": f"[stopped at the reply limit of {self.chat.settings.max_reply} tokens (-n)]"}
+            if self.chat.finish_reason in note:
+                self.say(note[self.chat.finish_reason])
         self.out.flush()
         self.say(self.chat.status_line())
 
@@ -156,33 +161,42 @@ class Repl:
         self.say("[a new chat]")
 
     def stats(self, arg: str) -> None:
-        s, e = self.chat.stats, self.chat.engine.stats
+        """The figures under the names the server's ``kv`` object and ``kvlocal run --json`` give them."""
+        s, e, f = self.chat.stats, self.chat.engine.stats, self.chat.engine.kv_figures()
         mib = 2**20
         rows = [
-            ("model", f"{self.chat.model.path.name}"),
-            ("method", f"{s.method}, budget {s.budget}: {s.budget_cells:,} cells ({s.kv_cells_allocated:,} allocated)"),
-            ("tokens", f"{s.tokens_seen:,} seen ({e.prompt_tokens:,} read, {e.generated_tokens:,} generated, "
-                       f"{e.end_tokens:,} end-of-reply), {s.kv_tokens_kept:,} kept"
-                       + (f", {s.kv_cells_pinned:,} of them the system message's (never evicted)" if s.kv_cells_pinned else "")),
-            ("KV memory", f"{s.kv_bytes / mib:,.1f} MiB (K {self.chat.settings.cache_type_k}, V {self.chat.settings.cache_type_v}); "
-                          f"a full cache for {s.tokens_seen:,} tokens: {s.kv_bytes_full / mib:,.1f} MiB"),
+            ("model", f"{self.chat.model.path.name}; {s.method}, budget {s.budget}; sampling {self.chat.sampler.describe()}"),
+            ("tokens_seen", f"{f['tokens_seen']:,}: {e.prompt_tokens:,} read, {e.generated_tokens:,} generated, "
+                            f"{e.end_tokens:,} end-of-reply"),
+            ("tokens_kept", f"{f['tokens_kept']:,} in the cache now"
+                            + (f", {s.kv_cells_pinned:,} of them the system message's (never evicted)"
+                               if s.kv_cells_pinned else "")),
+            ("budget_cells", f"{f['budget_cells']:,} ({s.kv_cells_allocated:,} cells allocated: the budget, a chunk "
+                             f"and the recent span)"),
+            ("kv_bytes", f"{f['kv_bytes'] / mib:,.1f} MiB allocated for this cache (K {self.chat.settings.cache_type_k}, "
+                         f"V {self.chat.settings.cache_type_v})"),
+            ("ctx_size", f"{f['ctx_size']:,} tokens: the context the budget is a share of (-c; default the model's "
+                         f"trained {self.chat.model.n_ctx_train:,})"),
+            ("kv_bytes_full", f"{f['kv_bytes_full'] / mib:,.1f} MiB: llama.cpp's own cache, uncompressed, for "
+                              + ("ctx_size" if f["tokens_seen"] <= f["ctx_size"]
+                                 else f"all {f['tokens_seen']:,} tokens seen (more than ctx_size)")),
+            ("host_tier_bytes", (f"{f['host_tier_bytes'] / mib:,.1f} MiB of host memory: the recall tier, "
+                                 f"{e.recall_rows_out:,} rows stored, {e.recall_rows_in:,} brought back (a row may come "
+                                 f"back often) by {_count(e.recall_events, 'question')} ({e.recall_seconds:.2f} s) and "
+                                 f"{e.recall_steps - e.recall_steps_confident} of {_count(e.recall_steps, 'answer token')} "
+                                 f"({e.recall_step_seconds:.2f} s; the others' decodes were sure)"
+                                 + (f", {e.recall_dropped_rows:,} dropped (--recall-mem)" if e.recall_dropped_rows else ""))
+                                if self.chat.engine.tier is not None else "0: recall off"),
             ("compression", f"{_count(s.compression_events, 'event')}, {e.compression_seconds:.2f} s"
                             + "".join(f", {k} {v:.2f} s" for k, v in e.compression_breakdown.items())
                             + f"; {e.backend} backend, {e.host_kv_bytes / mib:,.1f} MiB of K/V moved by its events"),
-            ("recall", (f"tier {e.host_tier_bytes / mib:,.1f} MiB of host memory, {e.recall_rows_out:,} rows stored, "
-                        f"{e.recall_rows_in:,} brought back (a row may come back often) "
-                        f"by {_count(e.recall_events, 'question')} ({e.recall_seconds:.2f} s) "
-                        f"and {e.recall_steps - e.recall_steps_confident} of {_count(e.recall_steps, 'answer token')} "
-                        f"({e.recall_step_seconds:.2f} s; the others' decodes were sure)"
-                        + (f", {e.recall_dropped_rows:,} dropped (--recall-mem)" if e.recall_dropped_rows else ""))
-                       if self.chat.engine.tier is not None else "off"),
             ("speed", f"last turn: prompt {rate_text(s.prompt_tokens_per_s, 1)} t/s, "
                       f"gen {rate_text(s.gen_tokens_per_s, 1)} t/s; "
                       f"all: read {e.prefill_seconds:.1f} s, generate {e.decode_seconds:.1f} s"),
             ("positions", f"moved back under the trained {self.chat.model.n_ctx_train:,} {_count(s.repositions, 'time')}"),
             ("messages", f"{len(self.chat.messages)}"),
         ]
-        self.say("\n".join(f"  {k:<12} {v}" for k, v in rows))
+        self.say("\n".join(f"  {k:<16} {v}" for k, v in rows))
 
     def read(self, arg: str) -> None:
         if not arg:
@@ -235,6 +249,18 @@ class Repl:
         self.chat = chat
         self.say(f"[loaded {path}: {len(chat.messages)} messages, {chat.stats.tokens_seen:,} tokens seen]")
         self.say(chat.status_line())
+
+
+def banner(chat: Chat, info) -> str:
+    """What the chat is doing, in one line: the model, the budget in tokens and MiB against llama.cpp's own cache
+    for the same context, the method, recall, the backend and the sampling."""
+    s, e = chat.stats, chat.engine
+    stock = "" if info.patched else f" · {info.describe()}"
+    sp = chat.sampler
+    sampling = "greedy" if sp.temp <= 0 else f"temp {sp.temp:g}" + ("" if sp.seed is None else f", seed {sp.seed}")
+    return (f"kvlocal chat · {chat.model.path.stem} · budget {s.budget}: {s.budget_cells:,} tokens in {s.kv_bytes / 2**20:,.0f} MiB "
+            f"(llama.cpp's cache at -c {s.ctx_size}: {s.kv_bytes_full / 2**20:,.0f} MiB) · {s.method}, "
+            f"recall {'on' if e.tier is not None else 'off'}, {e.backend} backend · {sampling}{stock}")
 
 
 def _count(n: int, noun: str) -> str:
@@ -292,33 +318,34 @@ def _stdin_lines(prompt: str) -> str:
 
 def run(args) -> int:
     """``kvlocal chat``: build the chat from the command line, read ``--file`` documents, loop."""
-    from kvlocal.options import check_llama_args, input_file, norm_args, observe_args, recall_args, sampler_from_args
+    from kvlocal.options import (check_llama_args, check_loop_guard, input_file, norm_args, observe_args, recall_args,
+                                 sampler_from_args)
     from kvlocal.models import resolve
     from kvlocal.runtime import Model, runtime_info
 
     check_llama_args(args)
-    sampler = sampler_from_args(args)
+    check_loop_guard(args)
+    sampler_from_args(args).close()  # the sampling flags checked before a model loads (UsageError names the flag)
     for f in args.file or []:
         input_file("--file", f)
     path = resolve(args.model)
     info = runtime_info()
     model = Model(path, n_gpu_layers=args.n_gpu_layers)
     try:
+        sampler = sampler_from_args(args, model)  # the model's own sampling where its GGUF declares one
         if args.load:
             chat = Chat.load(args.load, model=model, sampler=sampler, n_threads=args.threads)
         else:
             chat = Chat(model, args.budget, args.method, system=args.system, sampler=sampler, ctx_size=args.ctx_size,
                         chunk=args.chunk, recent=args.recent, max_reply=args.n_predict, flash_attn=args.flash_attn,
                         n_threads=args.threads, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-                        backend=args.backend, pin_system=args.pin_system == "on", **recall_args(args),
+                        backend=args.backend, pin_system=args.pin_system == "on", loop_guard=args.loop_guard,
+                        **recall_args(args),
                         **observe_args(args), **norm_args(args))
         with chat:
             interactive = sys.stdin.isatty()
             repl = Repl(chat, interactive)
-            s = chat.stats
-            repl.say(f"kvlocal chat · {path.name} · {chat.settings.method} · budget {chat.settings.budget}: "
-                     f"{s.budget_cells:,} cells ({s.kv_cells_allocated:,} allocated, {s.kv_bytes / 2**20:.0f} MiB) · "
-                     f"{info.describe()}")
+            repl.say(banner(chat, info))
             if interactive:
                 # Ctrl-C stops a reply even where the parent ignored SIGINT (a shell's background job, a launcher):
                 # an ignored disposition is inherited, and Python then installs no KeyboardInterrupt for it

@@ -66,7 +66,7 @@ def weight_class(weight_type: str, arch: str | None = None) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
-                        help="a .gguf file (llama, qwen2, qwen3 or gemma3 architecture) or a known model name (default: smollm2-135m)")
+                        help="a .gguf file (llama, qwen2, qwen3 or gemma3 architecture) or a known model name (default: qwen2.5-coder-0.5b)")
     parser.add_argument("--tokens", type=int, default=256, metavar="N", help="tokens to compare (default 256)")
     parser.add_argument("--text", type=Path, metavar="FILE",
                         help="UTF-8 text to use (default: built-in English prose; repeated if shorter than N tokens)")
@@ -111,7 +111,7 @@ def _tokens(model, text: str, n: int) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     """Compare llama.cpp and the reference on one model; 0 = within tolerance, 1 = not."""
     # torch and ggml each bring an OpenMP runtime whose idle threads busy-wait by default; on a machine
-    # with fewer free cores than threads that made both 2-10x slower (docs/verify.md). Sleeping idle
+    # with fewer free cores than threads that made both much slower (docs/verify.md § Time). Sleeping idle
     # threads cost nothing measurable. Effective only if neither library has started yet.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from kvlocal.reference import Transformer  # torch: imported only by this command

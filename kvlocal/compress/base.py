@@ -292,7 +292,7 @@ def native_scoring() -> bool:
 
     The kernels are used where they have wide vectors (AVX2+FMA or AVX-512, chosen at run time). The
     generic build (SSE2 on x86-64, NEON on arm64) loses to numpy, whose BLAS has them: measured on
-    x86-64 with ``python -m tools.bench_kernels --simd generic``, 0.7-0.9x per step.
+    x86-64 with ``python -m tools.bench_kernels --simd generic`` (docs/engine.md § a layer's selection in one call).
     """
     return kernels.simd_level() != "generic"
 

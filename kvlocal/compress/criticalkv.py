@@ -40,9 +40,9 @@ def l2_factor(wo: np.ndarray, n_head: int) -> np.ndarray:
     columns orthonormal), in ``wo``'s layout. Then ``||v · W_O^h||_2 = ||v · R_h^T||_2`` for every ``v``, so
     :func:`projected_value_norms` with ``p=2`` reads d columns per head instead of D (D/d times less work:
     9× on SmolLM2, 14× on Qwen2.5-0.5B, 32× on an 8B Llama). ``R_h`` is the Cholesky factor of the float64 Gram
-    matrix ``W_h^T W_h`` (QR's R up to the signs of its rows, which no norm sees; 0.03–0.06 s for SmolLM2's 30 layers
-    against the QR's 0.17–0.52 s, which ran as BLAS-2 and, with BLAS threads, took a core from the event's
-    scoring); a layer whose Gram matrices are not all positive definite (D < d, a head of zeros) takes the QR.
+    matrix ``W_h^T W_h`` (QR's R up to the signs of its rows, which no norm sees; cheaper than the QR, which ran as
+    BLAS-2 and, with BLAS threads, took a core from the event's scoring: docs/engine.md § the kernels' memory
+    traffic); a layer whose Gram matrices are not all positive definite (D < d, a head of zeros) takes the QR.
     float32 result."""
     big_d, ld = wo.shape
     d = ld // n_head

@@ -286,7 +286,7 @@ def simd_level(cap: str | None = None) -> str:
     """
     global _simd_level
     # C is asked once, and when capped: a call into it gives up the GIL and on its way back waits for the
-    # plan's threads to let go of it (0.2 ms a call measured in a prefill), and the scorers ask at every layer
+    # plan's threads to let go of it (a cost that shows in a prefill), and the scorers ask at every layer
     if cap is not None or _simd_level is None:
         _simd_level = SIMD_LEVELS[lib.kvl_simd_level(-1 if cap is None else SIMD_LEVELS.index(cap))]
     return _simd_level

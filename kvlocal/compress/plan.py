@@ -373,7 +373,7 @@ def cell_rows(a: np.ndarray, cells, heads, out: np.ndarray | None = None) -> np.
     """Rows ``a[cells, heads]`` of cell-major rows ``a`` ``[n, Hkv, ...]`` (``cells``, ``heads``: index arrays that
     broadcast together; the result has their shape, then a row's), as one ``np.take`` of ``[n * Hkv, ...]`` rows — a
     fraction of what numpy's indexing by two arrays costs at an event's sizes. ``out``: the array to write them
-    into (checked here, as ``np.take`` would check them only by gathering into a temporary first: 3x the time)."""
+    into (checked here, as ``np.take`` would check them only by gathering into a temporary first, which is slower)."""
     rows = np.asarray(cells) * a.shape[1] + np.asarray(heads)
     flat = a.reshape(-1, *a.shape[2:])
     if out is None:

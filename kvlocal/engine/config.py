@@ -123,9 +123,9 @@ DECODE_OBSERVE = "kept"
 # generic probe of a prompt read before any question: a chat's document) after the cache, once in observe_every
 # events, its queries moved by RoPE to the others; "window" takes the queries of the chunk's own last ``recent``
 # tokens, captured while the chunk is decoded (SnapKV's observation window: no decode of ours). The event that ends a
-# prompt always decodes the probe. docs/engine.md § the chunk's own window: "window" took SmolLM2's 8K compression
-# from 6.0% to 3.7% of the prefill, but lost retrieval where the question was known (3 multikey prompts of 6 on seed
-# 13) and found 31 facts of 48 on the development chat against 38, so the probe stays the default
+# prompt always decodes the probe. docs/engine.md § the chunk's own window: "window" made SmolLM2's 8K compression a
+# smaller share of the prefill, but lost retrieval where the question was known (multikey prompts) and found fewer
+# facts on the development chat, so the probe stays the default
 PREFILL_OBSERVATIONS = ("probe", "window")
 PREFILL_OBSERVE = "probe"
 
@@ -133,18 +133,18 @@ PREFILL_OBSERVE = "probe"
 # it, and events while generating, leave the whole budget): below 1 the next chunk has more free cells, so a prompt
 # takes fewer, larger events in the same memory; a row ranked between this share and the budget at one event is
 # dropped there instead of competing again at the next — to the tier, from which a question brings it back.
-# docs/engine.md § fewer events in the same memory: 0.75 took SmolLM2's 8K compression from 12.1% to 7.6% of the
-# prefill without a tier (14.2% to 8.4% with one, § what the chat's default costs), KL equal or lower on the eval,
-# 38 of 48 facts on the development chat against 35, one Qwen multikey prompt of three lost; 0.5 found 5 of 6 facts
-# on the six-question chat. Without a tier every event leaves the budget (1): at 0.75 and 0.9 a chat lost a fact
-# stated before a long turn (tests/test_chat_budget.py), which 1 keeps and the tier brings back
+# docs/engine.md § fewer events in the same memory: 0.75 made SmolLM2's 8K compression a smaller share of the
+# prefill, without a tier and with one (§ what the chat's default costs), KL equal or lower on the eval, more facts
+# on the development chat, one Qwen multikey prompt lost; 0.5 lost a fact on the six-question chat. Without a tier
+# every event leaves the budget (1): at 0.75 and 0.9 a chat lost a fact stated before a long turn
+# (tests/test_chat_budget.py), which 1 keeps and the tier brings back
 LOW_WATER = 0.75
 
 # CriticalKV's value norm where the engine is not told one: L2 (``||v W_O^h||_2``, computed exactly through a d x d
 # factor of W_O, D/d times less work than the paper's L1). docs/engine.md § L2 value norms, the default: the same
-# facts on the development chat (38 of 48 either way), the six-question chat and a second eval seed, KL within one
-# seed's noise, and compression 8.8% -> 7.6% of SmolLM2's 8K prefill, 6.1% -> 4.7% of Qwen2.5-Coder's at the chat's
-# defaults. The eval's plain names keep the paper's L1 (+l2 names L2); so does a bare CriticalKV()
+# facts on the development chat, the six-question chat and a second eval seed, KL within one seed's noise, and
+# compression a smaller share of SmolLM2's and Qwen2.5-Coder's 8K prefill at the chat's defaults. The eval's plain
+# names keep the paper's L1 (+l2 names L2); so does a bare CriticalKV()
 VALUE_NORM = "l2"
 
 
@@ -177,18 +177,18 @@ def check_prefill_observe(prefill_observe: str) -> None:
 PLAN_WORKERS = 4
 
 # an answer's first tokens that re-select the cache with their own query after the question did (the recall tier;
-# docs/recall.md § Choices: on the development chat 4, 10 and 32 steps found 13, 15 and 15 of 24 facts, none 8)
+# docs/recall.md § Choices: on the development chat steps found more facts than none, and 32 no more than 10)
 RECALL_STEPS = 16
 # tier rows a question scores exactly, as a multiple of the head budget (the best pages by bound; docs/recall.md
-# § Choices: one budget found 1 of 6 facts, four 5 of 6, every row the same 5)
+# § Choices: one budget found fewer facts than four, and scoring every row no more than four)
 RECALL_CANDIDATES = 4.0
 # and an answer step, as a question (a step displaces at most that many of the question's rows). A quarter was
-# tried: 40% less step time, the same facts on the development chat, fewer on the reported eval (§ Choices)
+# tried: less step time, the same facts on the development chat, fewer on the reported eval (§ Choices)
 RECALL_STEP_CANDIDATES = RECALL_CANDIDATES
 # an answer step keeps the token's decode and swaps nothing when that decode, before any swap, already predicts the
 # next token with a probability above this (1.0: every step swaps); its query is held for the next step that swaps
-# (a swap serves the tokens after it). docs/recall.md § Choices: a turn at 3-5% of the prefill instead of 4-11%,
-# 29 of 48 facts on the development chat against 25, the reported eval unchanged
+# (a swap serves the tokens after it). docs/recall.md § Choices: a cheaper turn, more facts on the development
+# chat, the reported eval unchanged
 RECALL_STEP_CONFIDENCE = 0.9
 # an answer step may swap only when it is this many steps past the last swap (the ones between keep their decode and
 # hold their query for it, as confident ones do); 1: any step may swap

@@ -395,6 +395,20 @@ class Engine(Reselection, Observing):
     def live_cells(self) -> int:
         return self.stats.kv_cells_live
 
+    def kv_figures(self) -> dict:
+        """The cache's memory under the names every front door prints (the chat's status line and ``/stats``,
+        ``kvlocal run --json``, the server's ``kv`` object): ``tokens_seen``, ``tokens_kept`` (cells holding
+        tokens now), ``budget_cells``, ``ctx_size`` (the context the comparison is for: -c, or the model's
+        trained one), ``kv_bytes`` (what this cache allocated), ``kv_bytes_full`` (what llama.cpp's own cache,
+        of the same types and without compression, allocates for ``ctx_size`` — or for every token seen, once
+        they are more), ``host_tier_bytes`` (the recall tier's host memory)."""
+        s = self.stats
+        ctx = self.cfg.max_tokens
+        full = s.kv_bytes_full if s.tokens_seen <= ctx else sum(
+            kv_cache_bytes(self.model, pad_cells(s.tokens_seen), bias=False, bytes_per_elem=self.bytes_per_value))
+        return dict(tokens_seen=s.tokens_seen, tokens_kept=s.kv_cells_live, budget_cells=self.budget_cells, ctx_size=ctx,
+                    kv_bytes=s.kv_bytes_allocated, kv_bytes_full=full, host_tier_bytes=s.host_tier_bytes)
+
     def _probe_tokens(self, probe: Sequence[int] | None) -> list[int]:
         probe = list(probe) if probe else self.model.tokenize(AGNOSTIC_PROBE, add_special=False)
         return probe[-self.cfg.recent:]

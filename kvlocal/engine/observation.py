@@ -2,7 +2,7 @@
 
 Every compression event is scored by the queries of the probe (docs/engine.md, "Where the observation
 window comes from"), and decoding the probe after every prefill chunk is the largest part of what
-compression costs (~12% of prefill at 8K on SmolLM2). A captured query is its pre-RoPE vector turned by
+compression costs (docs/engine.md, "Measured"). A captured query is its pre-RoPE vector turned by
 its position: ``q(p) = R(p)·q̃``. The same probe decoded ``Δ`` positions later would give ``R(p+Δ)·q̃'``,
 where ``q̃'`` differs from ``q̃`` only through what the cache now holds (the probe's hidden states attend
 to it). :class:`Observations` keeps the latest decoded queries and serves the next events with

@@ -17,7 +17,7 @@ METHOD_CHOICES = (*EVICTION, *(f"{m}+recall" for m in EVICTION if m not in MERGI
 DEFAULTS = {"models": ["smollm2-135m"], "methods": ["streaming", "snapkv", "criticalkv", *KV_BASELINES,
                                                     "snapkv@kv-q8_0", "criticalkv@kv-q8_0"],
             "budgets": ["0.05", "0.1", "0.2", "0.4"], "tasks": list(TASKS), "tokens": 2048, "items": None}
-# a smoke test: a few minutes on 2 busy cores
+# a smoke test: a short run (docs/eval.md times it)
 QUICK = {"models": ["smollm2-135m"], "methods": ["streaming", "criticalkv", "full-kv-q8_0"], "budgets": ["0.1", "0.2"],
          "tasks": ["needle", "continuation"], "tokens": 400, "items": 1}
 

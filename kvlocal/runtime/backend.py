@@ -90,8 +90,8 @@ class RowRecord:
 
 class Scratch:
     """Host buffers kept from one event to the next, by name. Memory a process has just been given is paid
-    for page by page on first touch (about 0.8 ms a MiB on the 2-core VM): a swap's union of cells and
-    candidates, tens of MiB allocated afresh every answer step, spent a tenth of the swap there. A buffer
+    for page by page on first touch: a swap's union of cells and candidates, tens of MiB allocated afresh
+    every answer step, spent a visible share of the swap there (docs/recall.md § Measured). A buffer
     :meth:`take` returns is valid until the next ``take`` of the same name."""
 
     def __init__(self):

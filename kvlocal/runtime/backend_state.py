@@ -123,7 +123,7 @@ class StateBackend(KVBackend):
         blob = kv.blob.nbytes if kv.blob is not None else 0
         written = sum(a.nbytes for a in k) + sum(a.nbytes for a in v)
         layer_f32 = self._scoring_bytes(read)
-        # the blob is built in a buffer kept between events (a fresh one of 10-30 MB cost ~1 ms a MiB in page faults)
+        # the blob is built in a buffer kept between events (a fresh one of 10-30 MB is paid for in page faults)
         write_seq(self.ctx, dataclasses.replace(kv, pos=record.pos.astype(np.int32), k=k, v=v, blob=None, bias=cell_bias),
                   previous=kv.blob, alloc=buffer)
         self.record = record

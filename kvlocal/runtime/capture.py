@@ -19,7 +19,7 @@ Walsh–Hadamard matrix inside attention, after this node, so dot products with 
 cache need ``H·q``. Flash attention does not change this node.
 
 Cost: once a callback is installed, the scheduler calls it (through Python) for every node of every
-graph, armed or not — about 1,100 ask calls per SmolLM2 graph at ~1.3 µs each.
+graph, armed or not — about 1,100 ask calls per SmolLM2 graph.
 
 Usage::
 

@@ -7,8 +7,14 @@ token so that the repeat penalty sees the history.
 
 The chain is llama.cpp's default order (common/sampling.cpp): penalties, top-k, top-p, min-p,
 temperature, then a seeded draw; with ``temp == 0`` it is penalties then greedy (exact argmax when the
-penalty is off). Parameter names and defaults are llama.cpp's, except ``temp``: 0 (greedy) here,
-0.8 in llama.cpp's tools, so that a run is reproducible unless asked otherwise.
+penalty is off). Parameter names are llama.cpp's. Two sets of defaults:
+
+- ``Sampler()`` is greedy (``temp`` 0): what ``kvlocal run``, ``eval`` and ``bench`` use, so that a run is
+  reproducible and compressed and full caches are compared on the same tokens;
+- :func:`chat_sampling` is what the interactive front doors (``kvlocal chat``, ``serve``, :class:`kvlocal.Chat`)
+  use: the sampling a GGUF declares for itself (its ``general.sampling.*`` keys), else llama.cpp's and
+  Ollama's (:data:`CHAT_SAMPLING`). Greedy decoding sends small models into loops on everyday questions
+  (docs/chat.md § Sampling defaults has the measurement).
 """
 
 from __future__ import annotations
@@ -19,6 +25,35 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvlocal.runtime.library import llama_lib
+
+# The interactive front doors' defaults: llama.cpp's CLI and Ollama's (temperature, top-k, top-p, min-p), with
+# Ollama's repeat penalty over its last 64 tokens (docs/chat.md § Sampling defaults: what it changes).
+CHAT_SAMPLING = dict(temp=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1, repeat_last_n=64)
+
+# A GGUF's own sampling (gguf-py's Keys.General.SAMPLING_*), by Sampler's parameter names
+GGUF_SAMPLING_KEYS = {"temp": "general.sampling.temp", "top_k": "general.sampling.top_k",
+                      "top_p": "general.sampling.top_p", "min_p": "general.sampling.min_p",
+                      "repeat_penalty": "general.sampling.penalty_repeat",
+                      "repeat_last_n": "general.sampling.penalty_last_n"}
+
+
+def chat_sampling(model=None) -> dict:
+    """Sampler keywords for a chat with ``model`` (a :class:`kvlocal.runtime.Model`, or None): :data:`CHAT_SAMPLING`
+    with what the model's GGUF declares for itself in its ``general.sampling.*`` keys in their place (a value
+    that does not parse, or is out of range, is ignored)."""
+    params = dict(CHAT_SAMPLING)
+    for name, key in GGUF_SAMPLING_KEYS.items():
+        raw = model.meta(key) if model is not None else None
+        if raw is None:
+            continue
+        try:
+            value = int(float(raw)) if name in ("top_k", "repeat_last_n") else float(raw)
+            Sampler._check_one(name, value)
+        except (ValueError, SamplerParamError):
+            continue
+        params[name] = value
+    return params
+
 
 class SamplerParamError(ValueError):
     """A sampling parameter outside its range; ``param`` is its name (llama.cpp's)."""
@@ -61,13 +96,18 @@ class Sampler:
     _data: np.ndarray | None = field(default=None, init=False, repr=False)  # [n_vocab, 3] int32: llama_token_data
     _ids: np.ndarray | None = field(default=None, init=False, repr=False)
 
+    @staticmethod
+    def _check_one(name: str, v) -> None:
+        """SamplerParamError if ``v`` is out of range for parameter ``name`` (the seed aside)."""
+        rules = {"temp": (lambda: v >= 0, ">= 0"), "top_k": (lambda: v >= 0, ">= 0"),
+                 "top_p": (lambda: 0 < v <= 1, "in (0, 1]"), "min_p": (lambda: 0 <= v <= 1, "in [0, 1]"),
+                 "repeat_penalty": (lambda: v > 0, "> 0"), "repeat_last_n": (lambda: v >= 0, ">= 0")}
+        ok, rule = rules[name]
+        _check(name, v, ok(), rule)
+
     def __post_init__(self):
-        _check("temp", self.temp, self.temp >= 0, ">= 0")
-        _check("top_k", self.top_k, self.top_k >= 0, ">= 0")
-        _check("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]")
-        _check("min_p", self.min_p, 0 <= self.min_p <= 1, "in [0, 1]")
-        _check("repeat_penalty", self.repeat_penalty, self.repeat_penalty > 0, "> 0")
-        _check("repeat_last_n", self.repeat_last_n, self.repeat_last_n >= 0, ">= 0")
+        for name in ("temp", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n"):
+            self._check_one(name, getattr(self, name))
         lib = llama_lib()
         _check("seed", self.seed, self.seed is None or 0 <= self.seed < lib.LLAMA_DEFAULT_SEED,
                f"in [0, {lib.LLAMA_DEFAULT_SEED}) or None (random)")
@@ -96,8 +136,8 @@ class Sampler:
             self._data = np.empty((n, 3), dtype=np.int32)  # rows of {int32 id; float logit; float p;}
             self._ids = np.arange(n, dtype=np.int32)
         data = self._data
-        # the samplers sort and truncate the array in place: refill all of it every time (as int32 columns:
-        # three times faster than a structured dtype's fields, 0.7 ms for Gemma's 262k tokens)
+        # the samplers sort and truncate the array in place: refill all of it every time (as int32 columns, which
+        # numpy fills faster than a structured dtype's fields)
         data[:, 0] = self._ids
         data[:, 1] = np.ascontiguousarray(logits, dtype=np.float32).view(np.int32)
         data[:, 2] = 0  # p = 0.0f
@@ -109,6 +149,17 @@ class Sampler:
         token = int(cur.data[cur.selected].id)  # cur.data: the samplers may point it elsewhere
         self.accept(token)
         return token
+
+    def describe(self) -> str:
+        """One short phrase for a banner: ``greedy`` or ``temp 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat
+        penalty 1.1, seed 7``."""
+        parts = ["greedy"] if self.temp <= 0 else [f"temp {self.temp:g}", f"top-k {self.top_k}", f"top-p {self.top_p:g}",
+                                                   f"min-p {self.min_p:g}"]
+        if self.repeat_penalty != 1 and self.repeat_last_n:
+            parts.append(f"repeat penalty {self.repeat_penalty:g}")
+        if self.temp > 0:
+            parts.append("random seed" if self.seed is None else f"seed {self.seed}")
+        return ", ".join(parts)
 
     def accept(self, token: int) -> None:
         """Add a token to the history the repeat penalty looks at (e.g. the prompt's)."""

@@ -71,7 +71,7 @@ class OutputProjections:
     def l2_factor(self, il: int, n_head: int) -> np.ndarray:
         """Layer ``il``'s :func:`~kvlocal.compress.criticalkv.l2_factor` (``n_head`` query heads), computed once:
         what CriticalKV's L2 value norms read in place of W_O (``LayerInputs.wo_l2``). An 8B model's W_O does not
-        stay in the cache, and its factor was computed again with it at every event (0.1 s a layer). W_O read for a
+        stay in the cache, and its factor was computed again with it at every event. W_O read for a
         factor is not kept: L2 norms never read it again (SmolLM2's 30 layers held 38 MiB of it, an 8B model's 256)."""
         key = (il, n_head)
         with self._lock:

@@ -1,7 +1,7 @@
 """``kvlocal serve``: an OpenAI-compatible chat server on one model, every conversation in a bounded KV
 cache (docs/server.md).
 
-    kvlocal serve smollm2-135m --budget 256 --port 8080
+    kvlocal serve qwen2.5-coder-0.5b --budget 256 --port 8080
     curl http://127.0.0.1:8080/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 
 Design
@@ -40,7 +40,8 @@ from pathlib import Path
 
 from kvlocal.errors import UsageError
 from kvlocal.options import (add_budget_args, add_llama_args, add_model_arg, add_sampling_args, check_llama_args,
-                             norm_args, observe_args, recall_args, sampler_from_args)
+                             check_loop_guard, norm_args, observe_args, recall_args, sampler_from_args,
+                             sampling_params)
 from kvlocal.server.app import _bind, _serve, create_app
 from kvlocal.server.sessions import SessionDir
 from kvlocal.server.worker import DEFAULT_CACHE_CHATS, DEFAULT_CACHE_MIB, Worker
@@ -72,16 +73,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="never evict a conversation's system message (default on; it counts in the budget)")
     g.add_argument("-n", "--n-predict", type=int, default=512,
                    help="most tokens of a reply when a request gives no max_tokens (default 512)")
-    add_sampling_args(p)  # server defaults; a request's temperature, top_p, seed, ... override them
+    add_sampling_args(p, interactive=True)  # server defaults; a request's temperature, top_p, seed, ... override them
 
 
 def run(args) -> int:
     from kvlocal.models import DEFAULT_MODEL, KNOWN_MODELS, resolve
-    from kvlocal.runtime import Model
+    from kvlocal.runtime import Model, Sampler
 
     _check_args(args)
     check_llama_args(args)
     sampler_from_args(args).close()  # the default sampling flags, checked (UsageError names the flag)
+    check_loop_guard(args)
     sock, url, loopback = _bind(args.host, args.port)
     model = worker = None
     try:
@@ -89,22 +91,22 @@ def run(args) -> int:
         name = args.model or DEFAULT_MODEL
         model_id = name if name in KNOWN_MODELS else Path(path).stem
         model = Model(path, n_gpu_layers=args.n_gpu_layers)
+        sampling = sampling_params(args, model)  # the model's own sampling where its GGUF declares one
         worker = Worker(model, model_id, chat_options=dict(
             budget=args.budget, method=args.method, ctx_size=args.ctx_size, chunk=args.chunk, recent=args.recent,
             max_reply=args.n_predict, flash_attn=args.flash_attn, n_threads=args.threads,
             cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, backend=args.backend,
-            pin_system=args.pin_system == "on", **recall_args(args), **observe_args(args), **norm_args(args)),
-            defaults=dict(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
-                          seed=None if args.seed == -1 else args.seed),
+            pin_system=args.pin_system == "on", loop_guard=args.loop_guard, **recall_args(args), **observe_args(args),
+            **norm_args(args)),
+            defaults=sampling,
             max_tokens=args.n_predict, cache_bytes=int(args.cache_mib * 2**20), cache_chats=args.cache_chats,
             sessions=None if args.session_dir is None else SessionDir(args.session_dir, args.session_max_bytes))
         cells = worker.check()  # builds one chat: a budget or method that cannot work fails here, not per request
         if not loopback and not args.api_key:
             print(f"kvlocal serve: warning: listening on {args.host} without --api-key: anyone who can reach "
                   f"this port can use the model", file=sys.stderr)
-        print(f"kvlocal serve · {model_id} · budget {args.budget} ({cells:,} cells) · {args.method} · {url} "
-              f"(OpenAI API at {url}/v1)", file=sys.stderr, flush=True)
+        print(f"kvlocal serve · {model_id} · budget {args.budget} ({cells:,} cells) · {args.method} · "
+              f"sampling {Sampler(**sampling).describe()} · {url} (OpenAI API at {url}/v1)", file=sys.stderr, flush=True)
         _serve(create_app(worker, api_key=args.api_key), sock, worker)
     finally:
         if worker is not None:

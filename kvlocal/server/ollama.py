@@ -80,7 +80,7 @@ def reply_line(model_id: str, kind: str, text: str, done: bool = False, calls: l
 def final_fields(r) -> dict:
     """The end of a reply: why it stopped, Ollama's counts and durations (ns), and kvlocal's ``kv``."""
     ns = int(r.seconds * 1e9)
-    return {"done": True, "done_reason": "length" if r.finish_reason == "length" else "stop", "total_duration": ns,
+    return {"done": True, "done_reason": r.finish_reason if r.finish_reason in ("length", "loop") else "stop", "total_duration": ns,
             "load_duration": 0, "prompt_eval_count": r.prompt_tokens, "prompt_eval_duration": 0,
             "eval_count": r.completion_tokens, "eval_duration": ns, "kv": r.kv}
 

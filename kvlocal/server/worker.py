@@ -75,7 +75,7 @@ class Job:
 @dataclass
 class Result:
     text: str
-    finish_reason: str  # stop | length | tool_calls | cancelled
+    finish_reason: str  # stop | length | loop | tool_calls | cancelled
     prompt_tokens: int
     completion_tokens: int
     kv: dict
@@ -215,14 +215,13 @@ class Worker:
                 text = ""  # a reply that is only calls has no content (what the client sends back)
             s = chat.engine.stats
             prompt, completion = s.prompt_tokens - p0, s.generated_tokens - g0
-            if finish is None:
-                finish = "tool_calls" if calls else "length" if completion >= job.max_tokens else "stop"
+            if finish is None:  # the reply ended itself: the model's end, its token limit, or the loop guard
+                finish = "tool_calls" if calls else chat.finish_reason or "stop"
             st = chat.stats
-            kv = {"tokens_kept": st.kv_tokens_kept, "tokens_seen": st.tokens_seen, "bytes_allocated": st.kv_bytes,
-                  "bytes_full": st.kv_bytes_full, "method": st.method, "budget": st.budget,
-                  "budget_cells": st.budget_cells, "cache_reused": reused > 0, "tokens_reused": reused,
+            kv = {**chat.engine.kv_figures(), "method": st.method, "budget": st.budget,
+                  "cache_reused": reused > 0, "tokens_reused": reused,
                   "compression_events": st.compression_events, "backend": s.backend,
-                  "host_kv_bytes": s.host_kv_bytes, "host_tier_bytes": s.host_tier_bytes,
+                  "host_kv_bytes": s.host_kv_bytes,
                   "recall_rows_in": s.recall_rows_in, "pinned_cells": s.kv_cells_pinned,
                   # where the conversation's cache came from: read fresh, kept in memory, or the session folder
                   "cache_from": {"new": "read", "restored": "session_dir"}.get(mode, "memory")}

@@ -214,10 +214,11 @@ write_tiny_gguf = write_tiny  # the original name
 
 
 def rewrite_gguf(src: str | Path, dst: str | Path, convert=None, extra: dict[str, np.ndarray] | None = None,
-                 arch: str | None = None) -> Path:
+                 arch: str | None = None, meta: dict | None = None) -> Path:
     """Copy a GGUF file's metadata and tensors to ``dst``; ``convert(tensor) -> (data, raw_dtype) | None``
-    may replace a tensor's stored data (None keeps it as it is), ``extra`` adds F32 tensors and ``arch``
-    changes general.architecture (the other keys keep their names)."""
+    may replace a tensor's stored data (None keeps it as it is), ``extra`` adds F32 tensors, ``arch``
+    changes general.architecture (the other keys keep their names) and ``meta`` adds metadata keys
+    (``{key: (value, gguf.GGUFValueType)}``)."""
     reader = gguf.GGUFReader(src)
     arch = arch or reader.fields["general.architecture"].contents()
     wr = gguf.GGUFWriter(str(dst), arch)
@@ -227,6 +228,8 @@ def rewrite_gguf(src: str | Path, dst: str | Path, convert=None, extra: dict[str
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         wr.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    for key, (value, vtype) in (meta or {}).items():
+        wr.add_key_value(key, value, vtype)
     for t in reader.tensors:
         new = convert(t) if convert else None
         if new is None:

@@ -72,7 +72,7 @@ def window_attention(kv: LayerKV, q: torch.Tensor, q_pos: torch.Tensor) -> torch
     q: [Hq, w, d] after RoPE; q_pos: [w]. Returns ``[Hq, w, S]``. Same maths as
     :func:`~kvlocal.reference.cache.attend`: logits ``q·k/sqrt(d) + bias`` (``log(count)`` for merged
     slots, ``-inf`` for empty rows), a query at ``p`` sees rows with ``0 <= pos <= p``, query head ``h``
-    reads KV head ``h // G``. fp32 on purpose: kvpress moved scores to fp32 after seeing bf16 tie ~74% of
+    reads KV head ``h // G``. fp32 on purpose: kvpress moved scores to fp32 after seeing bf16 tie most
     Knorm scores on Qwen3-8B. A query that sees no row gets all-zero probabilities instead of NaN.
     """
     hq, _, d = q.shape
