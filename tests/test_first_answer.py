@@ -183,6 +183,7 @@ def test_the_status_line_compares_with_llama_cpp_s_cache_for_the_same_context(sm
                 input="Hello!\n")
     *_, mib, ctx, full = STATUS.search(r.stderr).groups()
     assert float(full) <= float(mib) < 1.1 * float(full)
+    assert "· no budget (--method full): 4,096 tokens in" in r.stderr.splitlines()[0]
 
 
 def test_the_same_figures_under_the_same_names(smollm2, smollm2_model, tmp_path):

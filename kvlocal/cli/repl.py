@@ -259,7 +259,8 @@ def banner(chat: Chat, info) -> str:
     stock = "" if info.patched else f" · {info.describe()}"
     sp = chat.sampler
     sampling = "greedy" if sp.temp <= 0 else f"temp {sp.temp:g}" + ("" if sp.seed is None else f", seed {sp.seed}")
-    return (f"kvlocal chat · {chat.model.path.stem} · budget {s.budget}: {s.budget_cells:,} tokens in {s.kv_bytes / 2**20:,.0f} MiB "
+    budget = "no budget (--method full)" if s.method == "full" else f"budget {s.budget}"
+    return (f"kvlocal chat · {chat.model.path.stem} · {budget}: {s.budget_cells:,} tokens in {s.kv_bytes / 2**20:,.0f} MiB "
             f"(llama.cpp's cache at -c {s.ctx_size}: {s.kv_bytes_full / 2**20:,.0f} MiB) · {s.method}, "
             f"recall {'on' if e.tier is not None else 'off'}, {e.backend} backend · {sampling}{stock}")
 
