@@ -107,9 +107,8 @@ class Llama:
         cid, created = f"chatcmpl-{uuid.uuid4()}", int(time.time())
 
         def finish(stopped: bool) -> str:  # stopped: at a stop string
-            if chat.tool_calls:
-                return "tool_calls"
-            return "stop" if stopped else chat.finish_reason or "stop"
+            reason = chat.finish_reason
+            return "stop" if stopped and reason != "tool_calls" else reason or "stop"
 
         if stream:
             return self._chunks(pieces, cid, created, model or self.model_path, finish, chat)

@@ -77,40 +77,36 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
                         "d/D of the work) or l1 (the paper's; equal quality measured: docs/engine.md)")
 
 
+# the sampling flags, llama.cpp's: (flag, type, what it does, its "off" value), in Sampler's parameters' order
+_SAMPLING_FLAGS = (("--temp", float, "temperature", "0: greedy"), ("--top-k", int, "top-k sampling", "0 = off"),
+                   ("--top-p", float, "top-p sampling", "1.0 = off"), ("--min-p", float, "min-p sampling", "0.0 = off"),
+                   ("--repeat-penalty", float, "penalize repeated tokens", "1.0 = off"),
+                   ("--repeat-last-n", int, "tokens the repeat penalty looks back on", "0 = off"))
+
+
 def add_sampling_args(p: argparse.ArgumentParser, interactive: bool = False) -> None:
     """llama.cpp's sampling flags; the chain is llama.cpp's own (kvlocal/runtime/sampler.py). ``interactive`` (chat,
     serve): an unset flag takes the model's own sampling (its GGUF's ``general.sampling.*``), else llama.cpp's and
-    Ollama's chat defaults; otherwise (run, bench, eval) decoding is greedy unless asked, so runs are reproducible."""
-    from kvlocal.chat.loops import LOOP_GUARD
-    from kvlocal.runtime import CHAT_SAMPLING
+    Ollama's chat defaults, and ``--loop-guard`` ends loops; otherwise (run) decoding is greedy unless asked, so runs
+    are reproducible."""
+    import dataclasses
 
+    from kvlocal.chat.loops import LOOP_GUARD
+    from kvlocal.runtime import CHAT_SAMPLING, SAMPLING_PARAMS, Sampler
+
+    greedy = {f.name: f.default for f in dataclasses.fields(Sampler)}
     g = p.add_argument_group("sampling (llama.cpp's sampler chain)")
-    c = CHAT_SAMPLING
+    p.set_defaults(sampling="chat" if interactive else "greedy")
+    for name, (flag, kind, what, off) in zip(SAMPLING_PARAMS, _SAMPLING_FLAGS):
+        default = (f"the model's own if its GGUF declares one, else {CHAT_SAMPLING[name]:g}" if interactive
+                   else f"default {greedy[name]:g}")
+        g.add_argument(flag, type=kind, default=None if interactive else greedy[name], help=f"{what} ({default}; {off})")
+    g.add_argument("--seed", type=int, default=-1, help="sampling seed: the same seed, the same replies "
+                                                        "(default -1: random)")
     if interactive:
-        p.set_defaults(sampling="chat")
-        own = "the model's own if its GGUF declares one, else "
-        g.add_argument("--temp", type=float, default=None, help=f"temperature ({own}{c['temp']:g}; 0: greedy)")
-        g.add_argument("--top-k", type=int, default=None, help=f"top-k sampling ({own}{c['top_k']}; 0 = off)")
-        g.add_argument("--top-p", type=float, default=None, help=f"top-p sampling ({own}{c['top_p']:g}; 1.0 = off)")
-        g.add_argument("--min-p", type=float, default=None, help=f"min-p sampling ({own}{c['min_p']:g}; 0.0 = off)")
-        g.add_argument("--repeat-penalty", type=float, default=None,
-                       help=f"penalize repeated tokens ({own}{c['repeat_penalty']:g}; 1.0 = off)")
-        g.add_argument("--repeat-last-n", type=int, default=None,
-                       help=f"tokens the repeat penalty looks back on ({own}{c['repeat_last_n']}; 0 = off)")
-        g.add_argument("--seed", type=int, default=-1, help="sampling seed: the same seed, the same replies "
-                                                            "(default -1: random)")
         g.add_argument("--loop-guard", type=int, default=LOOP_GUARD, metavar="N",
                        help=f"end a reply once its last N tokens are one span repeated over and over "
                             f"(default {LOOP_GUARD}; 0: off)")
-        return
-    p.set_defaults(sampling="greedy")
-    g.add_argument("--temp", type=float, default=0.0, help="temperature (default 0: greedy, reproducible)")
-    g.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40, 0 = off)")
-    g.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95, 1.0 = off)")
-    g.add_argument("--min-p", type=float, default=0.05, help="min-p sampling (default 0.05, 0.0 = off)")
-    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalize repeated tokens (default 1.0 = off)")
-    g.add_argument("--repeat-last-n", type=int, default=64, help="tokens the repeat penalty looks back on (default 64, 0 = off)")
-    g.add_argument("--seed", type=int, default=-1, help="sampling seed (default -1: random)")
 
 
 def check_loop_guard(args) -> None:
@@ -126,10 +122,10 @@ def check_loop_guard(args) -> None:
 def sampling_params(args, model=None) -> dict:
     """The Sampler keywords the sampling flags ask for: an interactive command's unset flags from
     :func:`kvlocal.runtime.chat_sampling` (the model's own, else the chat defaults)."""
-    from kvlocal.runtime import chat_sampling
+    from kvlocal.runtime import SAMPLING_PARAMS, chat_sampling
 
     params = chat_sampling(model) if getattr(args, "sampling", "greedy") == "chat" else {}
-    for name in ("temp", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n"):
+    for name in SAMPLING_PARAMS:
         value = getattr(args, name)
         if value is not None:
             params[name] = value

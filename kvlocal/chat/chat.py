@@ -355,20 +355,19 @@ class Chat:
         allocated, and what llama.cpp's own cache allocates for the same context (for every token seen, past it).
         A rate not measured yet (nothing generated so far) is a dash."""
         s = self.stats
-        full = (f"llama.cpp's cache at -c {s.ctx_size}: {_mib(s.kv_bytes_full)}" if s.tokens_seen <= s.ctx_size
-                else f"a full cache for all {s.tokens_seen:,}: {_mib(s.kv_bytes_full)}")
         return (f"[ prompt {rate_text(s.prompt_tokens_per_s)} t/s | gen {rate_text(s.gen_tokens_per_s)} t/s | "
-                f"KV {s.kv_tokens_kept:,} of {s.tokens_seen:,} tokens kept in {_mib(s.kv_bytes)} ({full})"
-                + (f" · recall tier {_mib(s.host_tier_bytes)}" if s.host_tier_bytes else "")
+                f"KV {s.kv_tokens_kept:,} of {s.tokens_seen:,} tokens kept in {mib_text(s.kv_bytes)} "
+                f"({full_cache_text(s)})"
+                + (f" · recall tier {mib_text(s.host_tier_bytes)}" if s.host_tier_bytes else "")
                 + (f" · positions moved ×{s.repositions}" if s.repositions else "") + " ]")
 
     @property
     def finish_reason(self) -> str | None:
         """How the last reply ended: ``"stop"`` (the model ended it), ``"length"`` (its token limit), ``"loop"``
         (the loop guard ended a reply that kept repeating one span: ``loop_guard``), ``"tool_calls"`` (it made
-        tool calls); None before any reply, or for one stopped by its reader (Ctrl-C, a closed iterator)."""
-        finish = self.session.finish
-        return "tool_calls" if finish == "stop" and self.tool_calls else finish
+        tool calls, whatever else ended it); None before any reply, or for one its reader stopped without calls
+        (Ctrl-C, a closed iterator, a stop string)."""
+        return "tool_calls" if self.tool_calls else self.session.finish
 
     # -- saving ---------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> int:
@@ -534,10 +533,18 @@ class Chat:
         self._before_turn = None
 
 
-def _mib(n: int) -> str:
-    """Bytes as the status line prints them: whole MiB, one decimal under 10 MiB."""
+def mib_text(n: int) -> str:
+    """Bytes as the status line and the banner print them: whole MiB, one decimal under 10 MiB."""
     m = n / 2**20
     return f"{m:,.1f} MiB" if m < 10 else f"{m:,.0f} MiB"
+
+
+def full_cache_text(s: ChatStats) -> str:
+    """What llama.cpp's own cache would take, as the status line and the banner say it: for the chat's context, or
+    for every token seen once they are more."""
+    if s.tokens_seen <= s.ctx_size:
+        return f"llama.cpp's cache at -c {s.ctx_size}: {mib_text(s.kv_bytes_full)}"
+    return f"a full cache for all {s.tokens_seen:,}: {mib_text(s.kv_bytes_full)}"
 
 
 def rate_text(rate: float, digits: int = 0) -> str:

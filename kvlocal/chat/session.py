@@ -174,7 +174,7 @@ class ChatSession:
             tail = decoder.decode(b"", final=True)
             if tail:
                 yield tail
-            if finish == "length" and self.model.is_eog(self.engine.last_token) and len(reply_tokens) < max_tokens:
+            if finish == "length" and self.model.is_eog(self.engine.last_token):  # generate ended at the model's end
                 finish = "stop"
             self.interrupted, self.finish = False, finish
         finally:  # also on Ctrl-C or a reader that stopped: what was decoded is in the cache

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from kvlocal.chat import Chat
-from kvlocal.chat.chat import rate_text
+from kvlocal.chat.chat import full_cache_text, mib_text, rate_text
 from kvlocal.errors import UsageError
 
 HELP = """\
@@ -260,8 +260,8 @@ def banner(chat: Chat, info) -> str:
     sp = chat.sampler
     sampling = "greedy" if sp.temp <= 0 else f"temp {sp.temp:g}" + ("" if sp.seed is None else f", seed {sp.seed}")
     budget = "no budget (--method full)" if s.method == "full" else f"budget {s.budget}"
-    return (f"kvlocal chat · {chat.model.path.stem} · {budget}: {s.budget_cells:,} tokens in {s.kv_bytes / 2**20:,.0f} MiB "
-            f"(llama.cpp's cache at -c {s.ctx_size}: {s.kv_bytes_full / 2**20:,.0f} MiB) · {s.method}, "
+    return (f"kvlocal chat · {chat.model.path.stem} · {budget}: {s.budget_cells:,} tokens in {mib_text(s.kv_bytes)} "
+            f"({full_cache_text(s)}) · {s.method}, "
             f"recall {'on' if e.tier is not None else 'off'}, {e.backend} backend · {sampling}{stock}")
 
 

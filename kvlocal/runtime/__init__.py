@@ -17,7 +17,8 @@ from kvlocal.runtime.kvquant import CACHE_TYPES, CacheBasis, bytes_per_value, ca
 from kvlocal.runtime.library import (REQUIRED_LLAMA_CPP_PYTHON, RuntimeInfo, has_attention_bias, has_native_compression,
                                      runtime_info)
 from kvlocal.runtime.llama import N_UBATCH, Context, Model, kv_cache_bytes, pad_cells
-from kvlocal.runtime.sampler import CHAT_SAMPLING, Sampler, SamplerParamError, chat_sampling, top_probability
+from kvlocal.runtime.sampler import (CHAT_SAMPLING, SAMPLING_PARAMS, Sampler, SamplerParamError, chat_sampling,
+                                     top_probability)
 from kvlocal.runtime.seqstate import row_format
 from kvlocal.runtime.state import CacheLost
 from kvlocal.runtime.weights import output_projections
@@ -35,7 +36,7 @@ def make_backend(name: str, ctx: Context, layers, n_head_kv: int, head_dim: int,
 __all__ = [
     "BACKEND_NAMES", "CACHE_TYPES", "N_UBATCH", "REQUIRED_LLAMA_CPP_PYTHON",
     "CacheBasis", "CacheLost", "CacheRead", "Context", "KVBackend", "Model", "NativeBackend", "QueryCapture",
-    "RowRecord", "RuntimeInfo", "Sampler", "SamplerParamError", "CHAT_SAMPLING", "chat_sampling", "StateBackend",
+    "RowRecord", "RuntimeInfo", "Sampler", "SamplerParamError", "CHAT_SAMPLING", "SAMPLING_PARAMS", "chat_sampling", "StateBackend",
     "bytes_per_value", "cache_type", "count_bias", "has_attention_bias", "has_native_compression", "kv_cache_bytes",
     "make_backend", "output_projections", "pad_cells", "resolve_backend", "row_format", "runtime_info",
     "top_probability",

@@ -48,7 +48,7 @@ def chat_sampling(model=None) -> dict:
             continue
         try:
             value = int(float(raw)) if name in ("top_k", "repeat_last_n") else float(raw)
-            Sampler._check_one(name, value)
+            check_param(name, value)
         except (ValueError, SamplerParamError):
             continue
         params[name] = value
@@ -66,6 +66,19 @@ class SamplerParamError(ValueError):
 def _check(param: str, value, ok: bool, rule: str) -> None:
     if not ok:
         raise SamplerParamError(param, rule, value)
+
+
+# each sampling parameter's range (the seed's depends on the library: Sampler checks it)
+_RULES = {"temp": (lambda v: v >= 0, ">= 0"), "top_k": (lambda v: v >= 0, ">= 0"),
+          "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+          "repeat_penalty": (lambda v: v > 0, "> 0"), "repeat_last_n": (lambda v: v >= 0, ">= 0")}
+SAMPLING_PARAMS = tuple(_RULES)  # Sampler's parameters but the seed, in llama.cpp's flag order
+
+
+def check_param(name: str, value) -> None:
+    """SamplerParamError if ``value`` is out of range for the sampling parameter ``name``."""
+    ok, rule = _RULES[name]
+    _check(name, value, ok(value), rule)
 
 
 @dataclass(eq=False)
@@ -96,18 +109,9 @@ class Sampler:
     _data: np.ndarray | None = field(default=None, init=False, repr=False)  # [n_vocab, 3] int32: llama_token_data
     _ids: np.ndarray | None = field(default=None, init=False, repr=False)
 
-    @staticmethod
-    def _check_one(name: str, v) -> None:
-        """SamplerParamError if ``v`` is out of range for parameter ``name`` (the seed aside)."""
-        rules = {"temp": (lambda: v >= 0, ">= 0"), "top_k": (lambda: v >= 0, ">= 0"),
-                 "top_p": (lambda: 0 < v <= 1, "in (0, 1]"), "min_p": (lambda: 0 <= v <= 1, "in [0, 1]"),
-                 "repeat_penalty": (lambda: v > 0, "> 0"), "repeat_last_n": (lambda: v >= 0, ">= 0")}
-        ok, rule = rules[name]
-        _check(name, v, ok(), rule)
-
     def __post_init__(self):
-        for name in ("temp", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n"):
-            self._check_one(name, getattr(self, name))
+        for name in SAMPLING_PARAMS:
+            check_param(name, getattr(self, name))
         lib = llama_lib()
         _check("seed", self.seed, self.seed is None or 0 <= self.seed < lib.LLAMA_DEFAULT_SEED,
                f"in [0, {lib.LLAMA_DEFAULT_SEED}) or None (random)")

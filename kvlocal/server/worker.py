@@ -215,8 +215,8 @@ class Worker:
                 text = ""  # a reply that is only calls has no content (what the client sends back)
             s = chat.engine.stats
             prompt, completion = s.prompt_tokens - p0, s.generated_tokens - g0
-            if finish is None:  # the reply ended itself: the model's end, its token limit, or the loop guard
-                finish = "tool_calls" if calls else chat.finish_reason or "stop"
+            if finish is None:  # the reply ended itself: the model's end, its token limit, the loop guard, calls
+                finish = chat.finish_reason or "stop"
             st = chat.stats
             kv = {**chat.engine.kv_figures(), "method": st.method, "budget": st.budget,
                   "cache_reused": reused > 0, "tokens_reused": reused,
