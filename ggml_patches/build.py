@@ -10,7 +10,14 @@
 
 Steps: download the source package with pip (checked against its sha256), unpack it, apply
 ggml_patches/0*.patch to the vendored llama.cpp in order, build a wheel, install it into the running
-Python. Metal is switched on by llama-cpp-python's own build on macOS/arm64.
+Python. The wheel carries a record of the build (llama_cpp/kvlocal_build.json: the patches applied, those
+left out and why) that `kvlocal doctor` and the runtime read.
+
+On macOS llama-cpp-python's own build switches Metal on and embeds ggml-metal's kernels as source, which the
+library compiles when it loads: there the wheel is also loaded once in a fresh Python. If ggml-metal fails to
+compile — at the build or at that load — with the patch series' Metal kernels (the patches that change only
+ggml-metal: flash attention with the attention bias), the wheel is built again without them and the record says
+so; kvlocal then keeps caches that carry a bias on the soft-max attention path on Metal, which adds the bias.
 
 The wheel is kept in the kvlocal cache under a key made of the source hash, the patches and the
 CMake flags, so a second run with the same inputs installs in seconds. --rebuild ignores it.
@@ -23,13 +30,17 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from pathlib import Path
+from typing import Callable
 
 PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"
@@ -39,6 +50,15 @@ SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 BASE_CMAKE = ["-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
 
 HERE = Path(__file__).resolve().parent
+RECORD = "kvlocal_build.json"  # in llama-cpp-python's package, beside lib/ (kvlocal.runtime.buildinfo reads it)
+# llama-cpp-python's CMakeLists forces GGML_METAL on for every Apple build
+METAL = sys.platform == "darwin"
+# a line where ggml-metal reports an error: the compiler's, the build tool's (FAILED, Error 1) or the library's
+# own when it compiles its kernels at load ("ggml_metal_library_compile_all: error compiling source")
+METAL_NAME, ERROR = re.compile(r"ggml[-_]metal", re.I), re.compile(r"\berror\b|\bFAILED\b", re.I)
+# registers ggml's backends, as kvlocal does at startup: ggml-metal compiles its kernels there
+LOAD_PROBE = ("import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); lib.llama_print_system_info.restype = ctypes.c_char_p; "
+              "print(lib.llama_print_system_info().decode())")
 
 
 def cache_dir() -> Path:
@@ -93,10 +113,36 @@ def build_key(cmake_args: list[str], stock: bool = False) -> str:
     return h.hexdigest()[:16]
 
 
-def apply_patches(tree: Path, stock: bool = False) -> None:
+def metal_only(patch: Path) -> bool:
+    """Whether a patch changes only ggml's Metal backend: the part of the series a Mac build may leave out (the
+    soft-max attention path carries the attention bias without it)."""
+    files = re.findall(r"^diff --git a/(\S+) ", patch.read_text(), re.M)
+    return bool(files) and all(f.startswith("ggml/src/ggml-metal/") for f in files)
+
+
+def metal_failure(log: str) -> str | None:
+    """The first line of a build's or a load's output where ggml-metal reports an error, else None."""
+    return next((line.strip()[:300] for line in log.splitlines() if METAL_NAME.search(line) and ERROR.search(line)), None)
+
+
+def write_record(tree: Path, series: list[Path], left_out: dict[str, str]) -> None:
+    """The build's record in llama-cpp-python's package: the patches applied, the series' Metal-only ones and those
+    left out, each with the line that made build.py leave it out."""
+    record = {"patches": [p.name for p in series if p.name not in left_out],
+              "metal_patches": [p.name for p in series if metal_only(p)], "left_out": left_out}
+    (tree / "llama_cpp" / RECORD).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def wheel_record(wheel: Path) -> dict | None:
+    """The record a wheel carries (None: a wheel built before build.py wrote one)."""
+    with zipfile.ZipFile(wheel) as z:
+        return json.loads(z.read(f"llama_cpp/{RECORD}")) if f"llama_cpp/{RECORD}" in z.namelist() else None
+
+
+def apply_patches(tree: Path, series: list[Path]) -> None:
     llama = tree / "vendor" / "llama.cpp"
     (llama / ".git").unlink(missing_ok=True)  # a submodule pointer that git apply would trip over
-    for p in [] if stock else patches():
+    for p in series:
         step(f"applying {p.name}")
         if shutil.which("patch"):
             cmd, cwd = ["patch", "-p1", "--forward", "--batch", "-i", str(p)], llama
@@ -107,23 +153,84 @@ def apply_patches(tree: Path, stock: bool = False) -> None:
             fail(f"{p.name} does not apply to the vendored llama.cpp:\n{r.stdout}{r.stderr}")
 
 
-def build_wheel(sdist: Path, cmake_args: list[str], out: Path, jobs: int, stock: bool = False) -> Path:
-    with tempfile.TemporaryDirectory(prefix="kvlocal-build-") as tmp:
-        with tarfile.open(sdist) as tar:
-            tar.extractall(tmp, filter="data")
-        tree = Path(tmp) / f"llama_cpp_python-{VERSION}"
-        apply_patches(tree, stock)
-        env = dict(os.environ, CMAKE_ARGS=" ".join(cmake_args), CMAKE_BUILD_PARALLEL_LEVEL=str(jobs))
-        step(f"compiling llama.cpp ({' '.join(cmake_args)}); this takes several minutes")
-        out.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(out), str(tree)]
-        if subprocess.run(cmd, env=env).returncode != 0:
-            shutil.rmtree(out, ignore_errors=True)
+def tee(cmd: list[str], env: dict | None = None) -> tuple[int, str]:
+    """Run ``cmd`` with its output on the terminal as it comes and kept: (exit code, output)."""
+    lines = []
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace") as p:
+        for line in p.stdout:
+            sys.stdout.write(line)
+            lines.append(line)
+    return p.returncode, "".join(lines)
+
+
+def load_wheel(wheel: Path) -> tuple[int, str]:
+    """Load the wheel's libllama in a fresh Python and register ggml's backends, as kvlocal does when it starts:
+    (exit code, output). ggml-metal compiles its embedded kernel sources there, not when the wheel is built."""
+    with tempfile.TemporaryDirectory(prefix="kvlocal-load-") as tmp:
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(tmp, [n for n in z.namelist() if n.startswith("llama_cpp/lib/")])
+        lib = Path(tmp) / "llama_cpp" / "lib" / ("libllama.dylib" if sys.platform == "darwin" else "libllama.so")
+        r = subprocess.run([sys.executable, "-c", LOAD_PROBE, str(lib)], capture_output=True, text=True, timeout=600)
+    return r.returncode, r.stdout + r.stderr
+
+
+def compile_wheel(tree: Path, env: dict, out: Path, metal: bool) -> str | None:
+    """``pip wheel`` of the patched tree into ``out``, and on a Metal build the wheel loaded once: None when both
+    work, else the output that tells why not (empty where it went to the terminal only: a build without Metal)."""
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(out), str(tree)]
+    if not metal:
+        return None if subprocess.run(cmd, env=env).returncode == 0 else ""
+    rc, log = tee(cmd, env)
+    if rc != 0:
+        return log
+    step("loading the wheel once: ggml-metal compiles its kernels")
+    rc, log = load_wheel(next(out.glob("llama_cpp_python-*.whl")))
+    print(log, end="")
+    if rc != 0:  # a crash while ggml-metal loads its kernels (an assert, a null library) is ggml-metal's failure too
+        return f"{log}\nggml-metal: error: loading the wheel ended with exit code {rc}\n"
+    return None if metal_failure(log) is None else log
+
+
+Compile = Callable[[Path, dict, Path, bool], "str | None"]  # (tree, env, out, metal) -> None or why not
+
+
+def build_wheel(sdist: Path, cmake_args: list[str], out: Path, jobs: int, stock: bool = False,
+                compile_tree: Compile = compile_wheel, metal: bool = METAL) -> Path:
+    """Build the wheel into ``out`` with the whole series (none with ``stock``); on a Metal build whose ggml-metal
+    fails with the series' Metal-only patches, once more without them. ``compile_tree`` builds one tree (tests stand
+    in a failing one for the real build)."""
+    series = [] if stock else patches()
+    left_out: dict[str, str] = {}
+    while (log := build_once(sdist, series, left_out, cmake_args, out, jobs, compile_tree, metal)) is not None:
+        shutil.rmtree(out, ignore_errors=True)
+        optional = [p.name for p in series if metal_only(p) and p.name not in left_out]
+        why = metal_failure(log) if metal else None
+        if why and not optional:
+            fail(f"ggml-metal failed ({why}) without kvlocal's Metal patches too: see the output above")
+        if not why:
             fail("the llama.cpp build failed (see the compiler output above); a C/C++ compiler and CMake are needed")
+        step(f"ggml-metal failed with {', '.join(optional)} ({why}): building again without "
+             f"{'it' if len(optional) == 1 else 'them'}; biased caches keep to the soft-max attention path on Metal")
+        left_out.update(dict.fromkeys(optional, why))
     wheels = list(out.glob("llama_cpp_python-*.whl"))
     if not wheels:
         fail("the build produced no wheel")
     return wheels[0]
+
+
+def build_once(sdist: Path, series: list[Path], left_out: dict[str, str], cmake_args: list[str], out: Path, jobs: int,
+               compile_tree: Compile, metal: bool) -> str | None:
+    """One build of the series less ``left_out`` into ``out``: None when it worked, else the output of its failure."""
+    with tempfile.TemporaryDirectory(prefix="kvlocal-build-") as tmp:
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        tree = Path(tmp) / f"llama_cpp_python-{VERSION}"
+        apply_patches(tree, [p for p in series if p.name not in left_out])
+        write_record(tree, series, left_out)
+        env = dict(os.environ, CMAKE_ARGS=" ".join(cmake_args), CMAKE_BUILD_PARALLEL_LEVEL=str(jobs))
+        step(f"compiling llama.cpp ({' '.join(cmake_args)}); this takes several minutes")
+        out.mkdir(parents=True, exist_ok=True)
+        return compile_tree(tree, env, out, metal)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     deps = [sys.executable, "-m", "pip", "install", "-q", "numpy>=1.20", "typing-extensions>=4.5", "diskcache>=5.6.1", "jinja2>=2.11.3"]
     if subprocess.run(deps).returncode or subprocess.run(cmd).returncode:
         fail("pip could not install the built wheel")
-    step(f"done: {PACKAGE} {VERSION} with {len(patches())} kvlocal patches")
+    left_out = (wheel_record(wheel) or {}).get("left_out", {})
+    step(f"done: {PACKAGE} {VERSION} with {len(patches()) - len(left_out)} kvlocal patches"
+         + "".join(f"; {name} left out ({why})" for name, why in left_out.items()))
     return 0
 
 

@@ -36,6 +36,7 @@ def add_llama_args(p: argparse.ArgumentParser) -> None:
 def add_budget_args(p: argparse.ArgumentParser) -> None:
     from kvlocal.compress import METHODS, VALUE_NORMS
     from kvlocal.engine.config import LOW_WATER, OBSERVE_EVERY, PREFILL_OBSERVATIONS, PREFILL_OBSERVE, RECALL_STEPS
+    from kvlocal.recall import default_recall_mem, default_spill_dir
 
     p.add_argument("--budget", default="0.1",
                    help="KV budget: a ratio in (0, 1] of the context (-c; `run`: of the prompt and -n) (default 0.1), "
@@ -66,9 +67,12 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
                    help="the recall tier: rows evicted from the KV cache wait in host memory, and each new question "
                         "brings back the ones it needs (default auto: on for the eviction methods, off for merging)")
     p.add_argument("--recall-mem", metavar="SIZE", default=None,
-                   help="host RAM the recall tier may use (e.g. 2G; default: no limit); past it, --recall-dir or drop")
-    p.add_argument("--recall-dir", metavar="DIR", default=None,
-                   help="a folder for the recall tier's memory-mapped file once --recall-mem is used up")
+                   help=f"host RAM the recall tier may use (e.g. 2G; none: no cap; `serve`: one cap for all its "
+                        f"conversations); past it the oldest evicted rows are dropped, or with --recall-dir go to a file "
+                        f"(default: 1/8 of the memory, at most 4G: {default_recall_mem() / 2**30:.1f}G here)")
+    p.add_argument("--recall-dir", metavar="DIR", nargs="?", const=default_spill_dir(), default=None,
+                   help="past --recall-mem, the recall tier's rows go to a memory-mapped file in DIR instead of the "
+                        "oldest being dropped (DIR left out: %(const)s)")
     p.add_argument("--recall-steps", metavar="N", type=int, default=RECALL_STEPS,
                    help="the first N tokens of each answer re-select the cache too, each with its own query "
                         "(default %(default)s; 0: only the question does; docs/recall.md)")
@@ -194,9 +198,9 @@ def sampler_from_args(args, model=None):
 def recall_args(args) -> dict:
     """``--recall``, ``--recall-mem``, ``--recall-dir``, ``--recall-steps`` → the Engine's and Chat's ``recall*``
     keywords."""
-    from kvlocal.recall import parse_size
+    from kvlocal.recall import recall_mem_setting
 
-    mem = None if args.recall_mem is None else parse_size(args.recall_mem)
+    mem = recall_mem_setting(args.recall_mem)
     if args.recall_dir is not None and args.recall == "off":
         raise UsageError("--recall-dir has no effect with --recall off: leave it out, or turn recall on")
     if args.recall_steps < 0:

@@ -194,6 +194,72 @@ def test_steps_swap_at_most_every_n_and_the_ones_between_hold(tiny_llama, monkey
         Engine(tiny_llama, 64, "criticalkv", max_tokens=500, recall=True, recall_step_every=0)
 
 
+def test_a_capped_tier_keeps_its_newest_rows_byte_for_byte_under_the_cap(tiny_llama):
+    # the same reading in three engines: no cap, the default cap (not reached: the tier is the uncapped one, array for
+    # array) and a cap of three blocks a head (reached): that tier stays under it, holds each head's newest rows
+    # exactly as the uncapped tier does, counts the others as dropped and says so; a question still swaps rows with it
+    from kvlocal.recall import CHUNK, default_recall_mem
+
+    tokens = tiny_llama.tokenize(sample_text())
+    kw = dict(max_tokens=2000, chunk=32, recent=16, recall=True)
+    free = Engine(tiny_llama, 64, "criticalkv", recall_mem="none", **kw)
+    default = Engine(tiny_llama, 64, "criticalkv", **kw)
+    heads = len(free.layers) * tiny_llama.n_head_kv
+    cap = 3 * heads * free.tier.chunk_bytes
+    capped = Engine(tiny_llama, 64, "criticalkv", recall_mem=cap, **kw)
+    for e in (free, default, capped):
+        e.prefill(tokens[:1200], probe=tokens[1200:1216])
+    assert free.tier.pool.memory.limit is None and default.tier.pool.memory.limit == default_recall_mem()
+    a, b = free.tier.to_arrays(), default.tier.to_arrays()
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    for x, y in zip(device_rows(free), device_rows(capped)):  # the tier does not change the cache
+        assert [{p: (k.tobytes(), v.tobytes()) for p, (k, v) in h.items()} for h in x] == \
+            [{p: (k.tobytes(), v.tobytes()) for p, (k, v) in h.items()} for h in y]
+
+    t, f = capped.tier, capped.kv_figures()
+    assert t.pool.memory.used <= cap and f["host_tier_cap_used"] <= f["host_tier_cap"] == cap
+    assert f["host_tier_past_cap"] == "drop_oldest" and f["host_tier_dropped_rows"] == t.cap_dropped_rows > 0
+    assert free.tier.n_rows - t.n_rows == t.cap_dropped_rows and t.n_rows > 2 * heads * CHUNK
+    for l in range(len(free.layers)):
+        for h in range(tiny_llama.n_head_kv):
+            s, u = t.heads[l][h], free.tier.heads[l][h]
+            np.testing.assert_array_equal(s.pos[:s.n], u.pos[u.n - s.n:u.n])  # the newest rows
+            ku, vu = u.rows(np.arange(u.n - s.n, u.n))
+            ks, vs = s.rows(np.arange(s.n))
+            assert np.array_equal(ks, ku) and np.array_equal(vs, vu), (l, h)
+            np.testing.assert_array_equal(s.vnorm[:s.n], u.vnorm[u.n - s.n:u.n])
+    assert capped.recall(tokens[1300:1320]) > 0
+    for l, rows in enumerate(device_rows(capped)):  # what came back is the row that left, byte for byte
+        for h, held in enumerate(rows):
+            u = free.tier.heads[l][h]
+            for p, (k, v) in held.items():
+                i = u.index_of(np.array([p]))[0]
+                if i >= 0:
+                    assert np.array_equal(k, u.rows(np.array([i]))[0][0]), (l, h, p)
+    assert t.pool.memory.used <= cap
+    for e in (free, default, capped):
+        e.close()
+
+
+def test_a_turn_is_undone_after_the_cap_dropped_rows(smollm2_model):
+    """/regen undoes a turn by reading the rows it evicted back from the tier: the cap keeps those (and the rows the
+    device held when the turn began) while the turn may be undone, and drops others, so a chat past its cap regenerates
+    and goes on; the tier stays under the cap."""
+    from kvlocal import Chat
+    from kvlocal.runtime import Sampler
+
+    text = sample_text()
+    with Chat(smollm2_model, budget=64, recall_mem="16M", sampler=Sampler(), n_threads=2) as chat:
+        chat.read(text[:3000])
+        chat.ask("Who is the single man?", 8)
+        tier = chat.engine.tier
+        assert tier.cap_dropped_rows > 0
+        dropped = tier.cap_dropped_rows
+        assert "".join(chat.regen(8)).strip()
+        assert chat.ask("And then? " + text[3000:3600], 8).strip() and tier.cap_dropped_rows > dropped
+        assert "".join(chat.regen(8)).strip() and tier.pool.memory.used <= 16 << 20
+
+
 def test_a_restored_snapshot_forgets_the_undone_rows(tiny_llama):
     tokens = tiny_llama.tokenize(sample_text())
     eng = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True)
@@ -333,6 +399,23 @@ def test_cli_bad_recall_settings_are_one_line(smollm2, tmp_path):
     assert_usage_error(run_cli(*base, "--recall-dir", str(tmp_path / "nope"), "--recall-mem", "1M"), "no such folder")
     assert_usage_error(run_cli(*base, "--recall", "on", "--method", "kvslimmer"), "merged row")
     assert_usage_error(run_cli(*base, "--recall-steps", "-1"), "--recall-steps -1", ">= 0")
+    assert_usage_error(run_cli(*base, "--recall-mem", "0"), "--recall-mem 0", "none for no limit")
+
+
+def test_cli_a_bare_recall_dir_spills_to_the_cache_folder(smollm2, tmp_path):
+    """--recall-dir without a folder: past the cap, rows go to a file in kvlocal's cache folder (made if missing, the
+    file unlinked), none dropped — said in --json."""
+    import json
+
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(sample_text()[:1500])
+    cache = tmp_path / "cache"
+    r = run_cli("run", str(smollm2), "--prompt-file", str(prompt), "-n", "2", "--budget", "64", "-t", "1", "--json",
+                "--recall-mem", "64K", "--recall-dir", env={"KVLOCAL_CACHE": str(cache)})
+    out = json.loads(r.stdout)
+    assert out["host_tier_past_cap"] == "spill" and out["host_tier_cap"] == 64 << 10, r.stderr
+    assert out["host_tier_file_bytes"] > 0 and out["host_tier_dropped_rows"] == 0
+    assert (cache / "recall").is_dir() and not any((cache / "recall").iterdir())
 
 
 def test_a_full_disk_is_one_line_and_nothing_half_done(smollm2, tmp_path):

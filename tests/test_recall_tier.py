@@ -1,5 +1,6 @@
 """The recall tier's store (kvlocal.recall.tier): rows in and out byte for byte, Quest's page bounds, the
-memory cap and the spill file, a session's round trip. Pure numpy: no model."""
+memory cap (the oldest rows dropped past it, one cap shared by several tiers, the default) and the spill file, a
+session's round trip. Pure numpy: no model."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 
 from kvlocal.errors import UsageError
-from kvlocal.recall import CHUNK, PAGE, HostTier, parse_size
+from kvlocal.recall import (CHUNK, PAGE, HostTier, TierMemory, default_recall_mem, parse_size, recall_mem_setting,
+                            tier_figures)
 
 D = 8
 
@@ -114,15 +116,107 @@ def test_truncate_and_sync_follow_a_restored_engine():
     assert list(np.flatnonzero(t.heads[0][0].on_device[:20])) == [3, 4]
 
 
-def test_memory_cap_drops_what_does_not_fit_and_counts_it():
+def test_past_the_cap_the_oldest_rows_go_and_are_counted():
+    # a cap of three blocks on one head, rows added in pieces past it: the oldest blocks go, what stays is the newest
+    # rows byte for byte, found by position and bounded by their pages; what went is counted; a mark taken before a
+    # block went still truncates to the rows stored before it
     rng = np.random.default_rng(3)
     row = 2 * D * 2
-    t = tier(n_layer=1, hkv=2, mem_limit=CHUNK * row + 1)  # one block: head 0's, head 1 gets none
-    add(t, rng, 0, 0, np.arange(10))
-    add(t, rng, 0, 1, np.arange(10))
-    assert t.heads[0][0].n == 10 and t.heads[0][1].n == 0 and t.dropped_rows == 10
-    add(t, rng, 0, 0, np.arange(10, CHUNK + 5))
-    assert t.heads[0][0].n == CHUNK and t.dropped_rows == 15 and t.pool.ram_bytes == CHUNK * row
+    t = tier(n_layer=1, hkv=1, mem_limit=3 * CHUNK * row)
+    s = t.heads[0][0]
+    total, ks, vs = 5 * CHUNK + 37, [], []
+    for a in range(0, total, 100):
+        if a == 4 * CHUNK - 24:
+            mark, last, base = t.mark_of(), a - 1, s.base
+        k, v = add(t, rng, 0, 0, np.arange(a, min(a + 100, total)))
+        ks.append(k), vs.append(v)
+    k, v = np.concatenate(ks), np.concatenate(vs)
+    assert t.pool.ram_bytes <= 3 * CHUNK * row and t.pool.memory.used <= 3 * CHUNK * row
+    assert s.n + t.cap_dropped_rows == total and t.cap_dropped_rows % CHUNK == 0 and t.cap_dropped_rows >= 2 * CHUNK
+    assert t.dropped_rows == 0 and s.base == t.cap_dropped_rows
+    kept = np.arange(total - s.n, total)
+    np.testing.assert_array_equal(s.pos[:s.n], kept)
+    got_k, got_v = s.rows(np.arange(s.n))
+    np.testing.assert_array_equal(got_k, k[kept])
+    np.testing.assert_array_equal(got_v, v[kept])
+    np.testing.assert_array_equal(s.index_of(kept), np.arange(s.n))
+    assert (s.index_of(np.arange(total - s.n)) == -1).all()
+    for p in range(s.n_pages):
+        page = k[kept][p * PAGE:(p + 1) * PAGE].astype(np.float32)
+        np.testing.assert_array_equal(s.kmin[p], page.min(axis=0))
+        np.testing.assert_array_equal(s.kmax[p], page.max(axis=0))
+    f = tier_figures(t)
+    assert (f["host_tier_cap"], f["host_tier_past_cap"], f["host_tier_dropped_rows"]) == (
+        3 * CHUNK * row, "drop_oldest", t.cap_dropped_rows) and f["host_tier_cap_used"] <= f["host_tier_cap"]
+    u = tier(n_layer=1, hkv=1, mem_limit=3 * CHUNK * row)  # a saved session's round trip keeps the numbering
+    u.load_arrays(t.to_arrays())
+    np.testing.assert_array_equal(u.mark_of(), t.mark_of())
+    np.testing.assert_array_equal(u.heads[0][0].rows(np.arange(s.n))[0], got_k)
+    assert s.base > base  # a block went after the mark
+    t.truncate(mark)
+    assert s.pos[:s.n].max() == last and s.n == last + 1 - s.base
+
+
+def test_tiers_sharing_one_memory_stay_under_its_cap_oldest_first():
+    # a server's conversations share one cap: a tier that needs room takes the oldest block of all (here another
+    # tier's), and a closed tier's blocks go to the next that asks, none dropped for them
+    rng = np.random.default_rng(6)
+    block = CHUNK * 2 * D * 2
+    memory = TierMemory(4 * block)
+    a, b = tier(1, 1, mem_limit=memory), tier(1, 1, mem_limit=memory)
+    add(a, rng, 0, 0, np.arange(3 * CHUNK))
+    add(b, rng, 0, 0, np.arange(2 * CHUNK))
+    assert memory.used == 4 * block and a.heads[0][0].n == 2 * CHUNK and b.heads[0][0].n == 2 * CHUNK
+    assert (a.cap_dropped_rows, b.cap_dropped_rows) == (CHUNK, 0) and a.heads[0][0].pos[0] == CHUNK
+    assert tier_figures(b)["host_tier_cap_used"] == 4 * block
+    b.close()
+    add(a, rng, 0, 0, np.arange(3 * CHUNK, 5 * CHUNK))
+    assert memory.used == 4 * block and a.heads[0][0].n == 4 * CHUNK and a.cap_dropped_rows == CHUNK
+    unlimited = TierMemory()
+    c = tier(1, 1, mem_limit=unlimited)
+    add(c, rng, 0, 0, np.arange(5 * CHUNK))
+    assert c.heads[0][0].n == 5 * CHUNK and c.cap_dropped_rows == 0 and tier_figures(c)["host_tier_past_cap"] is None
+
+
+def test_rows_an_open_turn_needs_are_held_from_the_cap():
+    # while a turn may be undone its tier keeps what the undo reads back: the rows stored since it began and those
+    # stored before that left the device again since (here row 5, in the oldest block); past the cap the event's
+    # own rows are dropped instead, counted where the undo looks (dropped_rows); released, the oldest block goes
+    rng = np.random.default_rng(7)
+    t = tier(n_layer=1, hkv=1, mem_limit=3 * CHUNK * 2 * D * 2)
+    s = t.heads[0][0]
+    add(t, rng, 0, 0, np.arange(2 * CHUNK))
+    t.hold([t.mark_of()])
+    t.mark(0, 0, np.array([5]))  # row 5 comes back, then leaves again: an undo brings it back from here
+    add(t, rng, 0, 0, np.array([5]))
+    add(t, rng, 0, 0, np.arange(2 * CHUNK, 3 * CHUNK))
+    add(t, rng, 0, 0, np.arange(3 * CHUNK, 4 * CHUNK))
+    assert (s.n, s.base, t.cap_dropped_rows, t.dropped_rows) == (3 * CHUNK, 0, CHUNK, CHUNK)
+    t.hold([])
+    add(t, rng, 0, 0, np.arange(3 * CHUNK, 4 * CHUNK))
+    assert (s.n, s.base, s.pos[0]) == (3 * CHUNK, CHUNK, CHUNK) and t.cap_dropped_rows == 2 * CHUNK
+    t.mark(0, 0, np.array([3]))  # rows on the device when a turn begins are not held: they are stored again if they leave
+    t.hold([t.mark_of()])
+    add(t, rng, 0, 0, np.arange(4 * CHUNK, 5 * CHUNK))
+    assert s.base == 2 * CHUNK and t.cap_dropped_rows == 3 * CHUNK - 1  # (row 3 was on the device)
+
+
+def test_the_default_cap_is_a_share_of_the_machines_memory():
+    from kvlocal.recall.tier import RECALL_MEM_MAX, RECALL_MEM_SHARE, machine_memory
+
+    ram = machine_memory()
+    assert default_recall_mem() == (RECALL_MEM_MAX if ram is None else min(ram // RECALL_MEM_SHARE, RECALL_MEM_MAX))
+    if os.path.exists("/proc/meminfo"):  # the machine's memory as the kernel tells it, a container's limit at most
+        total = int(open("/proc/meminfo").read().split("MemTotal:")[1].split()[0]) * 1024
+        assert 0 < ram <= total
+    assert TierMemory.of(None).limit == default_recall_mem() and TierMemory.of("none").limit is None
+    assert TierMemory.of("64M").limit == 64 << 20 and TierMemory.of(1 << 20).limit == 1 << 20
+    shared = TierMemory(1 << 20)
+    assert TierMemory.of(shared) is shared and recall_mem_setting(shared) == 1 << 20
+    assert recall_mem_setting(" None ") == "none" and recall_mem_setting(None) is None
+    for bad in ("0", "lots", 0, -5):
+        with pytest.raises(UsageError, match="--recall-mem .*none for no limit"):
+            recall_mem_setting(bad)
 
 
 def test_ram_chunks_come_from_slabs_no_larger_than_the_cap():
@@ -131,9 +225,9 @@ def test_ram_chunks_come_from_slabs_no_larger_than_the_cap():
     from kvlocal.recall.tier import Pool
 
     size = 1000
-    capped = Pool(mem_limit=3 * size + 10)
+    capped = Pool(TierMemory(3 * size + 10))
     chunks = [capped.alloc(size) for _ in range(3)]
-    assert capped.ram_bytes == 3 * size and capped._slab.nbytes <= capped.mem_limit
+    assert capped.ram_bytes == 3 * size and capped.memory._slab.nbytes <= capped.memory.limit
     for i, c in enumerate(chunks):
         c[:] = i
     assert [int(c[0]) for c in chunks] == [0, 1, 2] and all((c == i).all() for i, c in enumerate(chunks))

@@ -283,9 +283,12 @@ def test_session(term, smollm2, tmp_path):
                     r"  kv_bytes_full +180\.0 MiB: llama\.cpp's own cache, uncompressed, for ctx_size\n"
                     r"  host_tier_bytes +[\d,.]+ MiB of host memory: the recall tier, [\d,]+ rows stored, "
                     r"[\d,]+ brought back \(a row may come back often\) by \d+ questions?[^\n]*\n"
+                    r"  host_tier_cap +[\d,.]+ MiB of RAM \(--recall-mem\), [\d,.]+ MiB held; past it the oldest rows "
+                    r"are dropped: 0 so far[^\n]*\n"
                     r"  compression +(\d+) events?, [\d.]+ s[^\n]*\n"
                     r"  speed +last turn: prompt (?:[\d,.]+|–) t/s, gen (?:[\d,.]+|–) t/s; all: read [\d.]+ s, generate [\d.]+ s\n"
                     r"  positions +moved back under the trained 8,192 0 times\n"
+                    r"  rollback +last turn [\d,.]+ MiB, all [\d,.]+ MiB copied to the host to undo a turn[^\n]*\n"
                     r"  messages +(\d+)\n")
     assert _n(rows[1]) == _n(rows[2]) + _n(rows[3]) + _n(rows[4]) and _n(rows[5]) < _n(rows[1]) and int(rows[6]) > 0
     assert rows[7] == "8"  # 4 messages, each with one reply

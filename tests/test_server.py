@@ -158,8 +158,11 @@ def assert_error(r, status: int, param=None, fragment: str = ""):
 
 # -- the API ------------------------------------------------------------------------------------------------
 def test_health_and_models(server):
+    from kvlocal.recall import default_recall_mem
+
     h = server.health()
     assert h["model"] == MODEL and h["method"] == "criticalkv" and h["budget"] == "256"
+    assert h["host_tier_cap"] == default_recall_mem() and 0 <= h["host_tier_cap_used"] <= h["host_tier_cap"]
     r = httpx.get(server.url + "/v1/models", timeout=10).json()
     assert r["object"] == "list" and [m["id"] for m in r["data"]] == [MODEL]
 
@@ -669,6 +672,49 @@ def test_generation_error_is_500_and_the_server_goes_on(in_process):
     r = post(messages=GERMANY, max_tokens=24)
     assert r.status_code == 200 and "Berlin" in r.json()["choices"][0]["message"]["content"]
     assert len(worker.cache) == 1
+
+
+def test_one_recall_cap_holds_across_conversations(smollm2_model):
+    """--recall-mem is one cap for every conversation's recall tier: a second conversation that needs room takes it
+    from the first one's oldest rows (counted there, none of its own dropped) — not from the rows the first one's last
+    turn evicted, which a regenerate reads back — and the tiers' RAM stays under it."""
+    from kvlocal.eval.tasks import sample_text
+
+    cap = 8 << 20  # 128 blocks of SmolLM2's 90 heads: one conversation's reading fits, two do not
+    text = sample_text()
+    first = [{"role": "user", "content": text[:800] + "\nWhat is this about?"}]
+    second = [{"role": "user", "content": text[800:1600] + "\nWhat is this about?"}]
+    with in_process_server(smollm2_model, MODEL, budget="64", recall_mem=f"{cap}") as (url, worker):
+        a = chat(url, first, max_tokens=4)
+        assert (a["kv"]["host_tier_cap"], a["kv"]["host_tier_past_cap"], a["kv"]["host_tier_dropped_rows"]) == (
+            cap, "drop_oldest", 0)
+        first += [a["choices"][0]["message"], {"role": "user", "content": "Thanks."}]
+        a = chat(url, first, max_tokens=4)["kv"]
+        b = chat(url, second, max_tokens=4)["kv"]
+        h = httpx.get(url + "/health", timeout=WAIT).json()
+        tiers = {key[-2][1][:20]: c.engine.tier for key, (c, _) in worker.cache._items.items()}
+        held = sum(t.pool.ram_bytes for t in tiers.values())
+        assert a["host_tier_cap_used"] < b["host_tier_cap_used"] == h["host_tier_cap_used"] <= h["host_tier_cap"] == cap
+        assert held <= cap and b["host_tier_dropped_rows"] == 0
+        assert tiers["Thanks."].cap_dropped_rows > 0 and tiers[second[0]["content"][:20]].cap_dropped_rows == 0
+        # the first conversation's last turn lost rows to the second's room: regenerating its reply reads it afresh
+        again = chat(url, first, max_tokens=4)["kv"]
+        assert again["cache_from"] == "read" and again["host_tier_cap_used"] <= cap
+
+
+def test_serve_rss_follows_a_conversations_memory(smollm2):
+    """tools/serve_rss: a `kvlocal serve` process, one conversation continued turn after turn, a row of the server's
+    resident memory and the recall tier's figures after the first turn and every --every turns."""
+    sys.path.insert(0, str(REPO))
+    from tools import serve_rss
+
+    rows = serve_rss.run(str(smollm2), turns=3, every=2, chars=120, max_tokens=4,
+                         serve_args=["--recall-mem", "8M", "-t", "1"])
+    assert [r["turn"] for r in rows] == [0, 1, 2, 3] and all(r["rss_mib"] > 50 for r in rows)
+    assert rows[1]["tokens_seen"] < rows[2]["tokens_seen"] < rows[3]["tokens_seen"]
+    assert [r["cache_reused"] for r in rows[1:]] == [False, True, True]
+    assert all(r["host_tier_cap"] == 8 << 20 and r["host_tier_cap_used"] <= 8 << 20 for r in rows[1:])
+    assert "recall cap: 8.0 MiB" in serve_rss.table(rows)
 
 
 def test_conversation_cache_bounds():

@@ -37,8 +37,9 @@ from kvlocal.chat import saved
 from kvlocal.compress import VALUE_NORMS, value_norm_refusal
 from kvlocal.engine import OBSERVE_EVERY, RECALL_STEPS, Budget, Engine, EngineState
 from kvlocal.engine.config import PREFILL_OBSERVE, check_low_water, check_prefill_observe
+from kvlocal.engine.undo import TurnMark
 from kvlocal.errors import UsageError
-from kvlocal.recall import parse_size
+from kvlocal.recall import TierMemory, recall_mem_setting
 from kvlocal.runtime import Model, RowRecord, Sampler, cache_type, chat_sampling, runtime_info
 from kvlocal.chat.loops import LOOP_GUARD, LoopGuard
 from kvlocal.chat.session import ChatSession, Transcript
@@ -63,7 +64,7 @@ class ChatSettings:
     cache_type_v: str = "f16"
     backend: str = "auto"  # where compression runs: native, state or auto (the engine's backend=)
     recall: bool | None = None  # the recall tier (None: on for eviction methods): evicted rows kept on the host
-    recall_mem: int | None = None  # bytes of RAM the tier may use (None: no limit)
+    recall_mem: int | str | None = None  # bytes of RAM the tier may use (None: the default cap; "none": no cap)
     recall_dir: str | None = None  # a folder for the tier's memory-mapped file past recall_mem
     pin_system: bool = True  # the system message is never evicted
     observe_every: int = OBSERVE_EVERY  # events one decode of a reading's probe scores (kvlocal.engine.observation)
@@ -87,6 +88,8 @@ class ChatStats:
     kv_cells_pinned: int  # cells of the system message, never evicted
     compression_events: int
     repositions: int  # times positions were moved back under the trained context
+    rollback_bytes: int  # host bytes copied so that the latest turn could be undone (0 while it runs no event)
+    rollback_bytes_total: int  # the same for every turn so far
     prompt_tokens_per_s: float  # the last turn (or read) alone
     gen_tokens_per_s: float
     method: str
@@ -115,7 +118,7 @@ class Chat:
         cache_type_v: str = "f16",
         backend: str = "auto",
         recall: bool | None = None,
-        recall_mem: int | str | None = None,
+        recall_mem: int | str | TierMemory | None = None,
         recall_dir: str | os.PathLike | None = None,
         pin_system: bool = True,
         tools: list[dict] | None = None,
@@ -137,8 +140,9 @@ class Chat:
         if low_water is not None:
             check_low_water(low_water)
         check_prefill_observe(prefill_observe)
-        if isinstance(recall_mem, str):
-            recall_mem = parse_size(recall_mem)
+        # a TierMemory: a cap shared with other chats (a server's conversations); the settings keep its limit
+        self._recall_memory = recall_mem if isinstance(recall_mem, TierMemory) else None
+        recall_mem = recall_mem_setting(recall_mem)
         try:
             LoopGuard(loop_guard)
         except ValueError as e:
@@ -156,7 +160,8 @@ class Chat:
         self._lock = threading.RLock()
         self.sampler = sampler or Sampler(**chat_sampling(self.model))
         self._threads = n_threads
-        self._before_turn: tuple | None = None  # for regen: (state, transcript, messages sent, tool_choice)
+        self._before_turn: tuple | None = None  # for regen: (mark, transcript, messages sent, tool_choice)
+        self._rollback_before = 0  # the engine's rollback_bytes when the latest turn began
         self._turn_rates = (0.0, 0.0)
         self.tool_calls: list[dict] = []  # the calls of the last reply (OpenAI's shape), with ``tools``
         try:
@@ -186,9 +191,9 @@ class Chat:
         new = _new_messages(message)
         prefix, fmt = self._tool_choice(tool_choice)
         with self._lock:
-            with self._turn() as before:  # reading the message: undone if interrupted
+            with self._turn(keep=True) as before:  # reading the message: undone if interrupted
                 reply = self.session.ask(new, max_tokens or self.settings.max_reply, progress, prefix=prefix)
-            self._before_turn = (*before, new, tool_choice)
+            self._hold_turn((*before, new, tool_choice))  # its mark stays open through the reply, for regen
             self.tool_calls = []
             s0 = dataclasses.replace(self.engine.stats)
             try:
@@ -224,7 +229,7 @@ class Chat:
         with self._lock:
             with self._turn():
                 reply = self.session.complete(prompt, max_tokens or self.settings.max_reply, progress)
-            self._before_turn = None
+            self._hold_turn(None)
             s0 = dataclasses.replace(self.engine.stats)
             try:
                 yield from reply
@@ -279,8 +284,8 @@ class Chat:
             self._check_open()
             if self._before_turn is None:
                 raise UsageError("nothing to regenerate yet: send a message first")
-            state, transcript, new, tool_choice = self._before_turn
-            self._rollback(state, transcript)
+            mark, transcript, new, tool_choice = self._before_turn
+            self._rollback(mark, transcript)
             self._before_turn = None
         return self.send(new, max_tokens, tool_choice=tool_choice)
 
@@ -346,6 +351,7 @@ class Chat:
                 budget_cells=f["budget_cells"], kv_bytes=f["kv_bytes"], kv_bytes_full=f["kv_bytes_full"],
                 ctx_size=f["ctx_size"], host_tier_bytes=f["host_tier_bytes"], kv_cells_pinned=s.kv_cells_pinned,
                 compression_events=s.compression_events, repositions=s.repositions,
+                rollback_bytes=s.rollback_bytes - self._rollback_before, rollback_bytes_total=s.rollback_bytes,
                 prompt_tokens_per_s=self._turn_rates[0], gen_tokens_per_s=self._turn_rates[1],
                 method=self.settings.method, budget=self.settings.budget)
 
@@ -396,10 +402,12 @@ class Chat:
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: str | os.PathLike | Model | None = None, *,
-             sampler: Sampler | None = None, n_gpu_layers: int = 0, n_threads: int | None = None) -> "Chat":
+             sampler: Sampler | None = None, n_gpu_layers: int = 0, n_threads: int | None = None,
+             recall_mem: int | str | TierMemory | None = None) -> "Chat":
         """A chat from a :meth:`save` file, in this or another process. ``model``: the model it was saved
-        with (default: the path recorded in the file). Refused with UsageError — and nothing built — for
-        another model, another runtime build, a truncated, edited or newer file."""
+        with (default: the path recorded in the file); ``recall_mem``: the tier's cap instead of the saved one.
+        Refused with UsageError — and nothing built — for another model, another runtime build, a truncated, edited
+        or newer file."""
         f = saved.read(path)
         h = f.header
         if h.get("kind") != "kvlocal chat session":
@@ -429,8 +437,9 @@ class Chat:
                    ctx_size=s.ctx_size, chunk=s.chunk, recent=s.recent, max_reply=s.max_reply,
                    n_gpu_layers=n_gpu_layers, flash_attn=s.flash_attn, n_threads=n_threads,
                    cache_type_k=s.cache_type_k, cache_type_v=s.cache_type_v, backend=s.backend, recall=s.recall,
-                   recall_mem=s.recall_mem, recall_dir=s.recall_dir, pin_system=s.pin_system,
-                   observe_every=s.observe_every, recall_steps=s.recall_steps, value_norm=s.value_norm,
+                   recall_mem=s.recall_mem if recall_mem is None else recall_mem, recall_dir=s.recall_dir,
+                   pin_system=s.pin_system, observe_every=s.observe_every, recall_steps=s.recall_steps,
+                   value_norm=s.value_norm,
                    low_water=s.low_water, prefill_observe=s.prefill_observe, loop_guard=s.loop_guard)
         try:
             a, e = f.arrays, h["engine"]
@@ -441,6 +450,7 @@ class Chat:
                 record=RowRecord(a["slot_pos"], a["slot_true"], a["slot_vnorm"], a["slot_count"]),
                 tier_mark=a.get("tier_n"), settled=e["settled"], probe=e["probe"], reply=e["reply"], stats=e["stats"]))
             chat.session.t = Transcript(**h["transcript"])
+            chat._rollback_before = chat.engine.stats.rollback_bytes  # no turn of this chat's yet
         except BaseException:
             chat.close()
             raise
@@ -452,7 +462,7 @@ class Chat:
         with self._lock:
             engine = getattr(self, "engine", None)
             if engine is not None:
-                engine.ctx.close()
+                engine.close()
                 self.engine = None
             if self._own_model and getattr(self, "model", None) is not None:
                 self.model.close()
@@ -474,7 +484,8 @@ class Chat:
         return Engine(self.model, s.budget, s.method, max_tokens=cap, chunk=s.chunk, recent=s.recent,
                       flash_attn=s.flash_attn, n_threads=self._threads, endless=s.method != "full",
                       type_k=cache_type(s.cache_type_k), type_v=cache_type(s.cache_type_v), backend=s.backend,
-                      recall=s.recall, recall_mem=s.recall_mem, recall_dir=s.recall_dir, observe_every=s.observe_every,
+                      recall=s.recall, recall_dir=s.recall_dir, observe_every=s.observe_every,
+                      recall_mem=s.recall_mem if self._recall_memory is None else self._recall_memory,
                       recall_steps=s.recall_steps, method_params=self._method_params(s), low_water=s.low_water,
                       prefill_observe=s.prefill_observe)
 
@@ -483,17 +494,27 @@ class Chat:
         """The value norm where the method has one (a /method switch to another keeps it for a switch back)."""
         return {"value_norm": s.value_norm} if s.value_norm and not value_norm_refusal(s.method) else None
 
-    def _checkpoint(self) -> tuple[EngineState, Transcript]:
-        return self.engine.snapshot(), self.session.t.copy()
+    def _checkpoint(self) -> tuple[TurnMark, Transcript]:
+        """Where a turn begins: the engine's mark (nothing copied unless an event runs before it is closed:
+        :mod:`kvlocal.engine.undo`) and the transcript."""
+        self._rollback_before = self.engine.stats.rollback_bytes
+        return self.engine.mark(), self.session.t.copy()
 
-    def _rollback(self, state: EngineState, transcript: Transcript) -> None:
-        self.engine.restore(state)
+    def _rollback(self, mark: TurnMark, transcript: Transcript) -> None:
+        self.engine.undo(mark)
         self.session.t = transcript.copy()
 
+    def _hold_turn(self, before_turn: tuple | None) -> None:
+        """Keep ``before_turn`` for regen, closing the mark held before."""
+        if self._before_turn is not None:
+            self.engine.release(self._before_turn[0])
+        self._before_turn = before_turn
+
     @contextlib.contextmanager
-    def _turn(self):
-        """Feed the cache under the lock: a snapshot before (yielded), restored if the feeding is interrupted
-        (Ctrl-C), refused or cancelled (any exception); the speeds of what was read after."""
+    def _turn(self, keep: bool = False):
+        """Feed the cache under the lock: a mark before (yielded), undone if the feeding is interrupted (Ctrl-C),
+        refused or cancelled (any exception), else closed unless ``keep`` (the caller holds it); the speeds of what
+        was read after."""
         with self._lock:
             self._check_open()
             before = self._checkpoint()
@@ -504,6 +525,8 @@ class Chat:
                 with contextlib.suppress(Exception):  # an engine that lost its cache cannot be restored
                     self._rollback(*before)
                 raise
+            if not keep:
+                self.engine.release(before[0])
             self._note_rates(s0)
 
     def _note_rates(self, s0) -> None:
@@ -526,11 +549,11 @@ class Chat:
                 session.pin(tokens)
                 engine.prefill(tokens, probe=probe, progress=progress)
         except BaseException:
-            engine.ctx.close()
+            engine.close()
             raise
-        self.engine.ctx.close()
+        self.engine.close()
         self.engine, self.session, self.settings = engine, session, settings
-        self._before_turn = None
+        self._before_turn, self._rollback_before = None, 0
 
 
 def mib_text(n: int) -> str:

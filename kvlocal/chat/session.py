@@ -11,8 +11,8 @@ rendered with the document and a marker where the question will go, and the text
 decoded now; the question completes that message later. So the transcript stays a plain alternation
 of user and assistant messages that every template accepts.
 
-:class:`kvlocal.Chat` (chat.py) is the public API on top: it loads the model, snapshots the engine
-around each turn (Ctrl-C, ``regen``), saves and loads sessions.
+:class:`kvlocal.Chat` (chat.py) is the public API on top: it loads the model, marks the engine where each turn
+begins and undoes the turn there (Ctrl-C, ``regen``: :mod:`kvlocal.engine.undo`), saves and loads sessions.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ def cmd_doctor(args) -> int:
     rows = [("kvlocal", __version__), ("python", f"{platform.python_version()} ({sys.executable})")]
     problems = 0
     try:
-        from kvlocal.runtime import has_native_compression, runtime_info
+        from kvlocal.runtime import has_native_compression, metal_bias, runtime_info
 
         info = runtime_info()
         rows += [("runtime", info.describe()), ("library", info.library),
@@ -37,6 +37,7 @@ def cmd_doctor(args) -> int:
         rows.append(("native", "compression on the cache's device (--backend native): every method"
                      if has_native_compression() else
                      "not available (patches 0010-0013): compression reads K/V to the host (--backend state)"))
+        rows.append(("metal", metal_bias().describe()))
     except UsageError as e:
         rows.append(("runtime", f"NOT AVAILABLE: {e}"))
         problems += 1

@@ -81,6 +81,7 @@ def measure(model: Model, tokens: list[int], method: str, budget: str, n_decode:
     t0 = time.perf_counter()
     n = sum(1 for _ in eng.generate(n_decode, stop_at_eog=False))
     s = eng.stats.as_dict()
+    s.update(device_transfers=eng.ctx.counters()["transfers"])  # with the swaps of the question's recall
     s.update(method=method, budget=budget, prompt_tokens=len(tokens), decode_tok_s=n / (time.perf_counter() - t0),
              low_water=eng.cfg.low_water, recall=eng.tier is not None, prefill_observe=eng.cfg.prefill_observe,
              probe=probe, probe_tokens=len(eng.last_probe), ttft_seconds=s["prefill_seconds"] + s["recall_seconds"])
@@ -212,6 +213,8 @@ def run(args) -> int:
     row("compression events", "", [f"{runs[b]['compression_events']}" for b in backends])
     row("  milliseconds per event", "", [f"{1000 * runs[b]['compression_seconds'] / max(1, runs[b]['compression_events']):.1f}"
                                         for b in backends])
+    row("  backend transfers per event", "", [f"{runs[b]['device_transfers'] / max(1, runs[b]['compression_events']):,.0f}"
+                                             for b in backends], "O(layers), not O(rows)")
     row("K/V copied to the host", "", [f"{runs[b]['host_kv_bytes'] / mib:,.1f} MiB" for b in backends],
         "0 on native without a tier")
     row("recall tier (host memory)", "", [f"{runs[b]['host_tier_bytes'] / mib:,.1f} MiB" if runs[b]["recall"] else "off"

@@ -186,8 +186,11 @@ class Repl:
                                  f"back often) by {_count(e.recall_events, 'question')} ({e.recall_seconds:.2f} s) and "
                                  f"{e.recall_steps - e.recall_steps_confident} of {_count(e.recall_steps, 'answer token')} "
                                  f"({e.recall_step_seconds:.2f} s; the others' decodes were sure)"
-                                 + (f", {e.recall_dropped_rows:,} dropped (--recall-mem)" if e.recall_dropped_rows else ""))
+                                 + (f", {e.recall_dropped_rows:,} forgotten (positions moved back, or an event "
+                                    f"past the cap)" if e.recall_dropped_rows else ""))
                                 if self.chat.engine.tier is not None else "0: recall off"),
+            ("host_tier_cap", _tier_cap_text(f, self.chat.settings.recall_dir)
+                              if self.chat.engine.tier is not None else "none: recall off"),
             ("compression", f"{_count(s.compression_events, 'event')}, {e.compression_seconds:.2f} s"
                             + "".join(f", {k} {v:.2f} s" for k, v in e.compression_breakdown.items())
                             + f"; {e.backend} backend, {e.host_kv_bytes / mib:,.1f} MiB of K/V moved by its events"),
@@ -195,6 +198,8 @@ class Repl:
                       f"gen {rate_text(s.gen_tokens_per_s, 1)} t/s; "
                       f"all: read {e.prefill_seconds:.1f} s, generate {e.decode_seconds:.1f} s"),
             ("positions", f"moved back under the trained {self.chat.model.n_ctx_train:,} {_count(s.repositions, 'time')}"),
+            ("rollback", f"last turn {s.rollback_bytes / mib:,.1f} MiB, all {s.rollback_bytes_total / mib:,.1f} MiB copied "
+                         f"to the host to undo a turn (Ctrl-C, /regen): the cells, only before an event rewrites them"),
             ("messages", f"{len(self.chat.messages)}"),
         ]
         self.say("\n".join(f"  {k:<16} {v}" for k, v in rows))
@@ -263,6 +268,19 @@ def banner(chat: Chat, info) -> str:
     return (f"kvlocal chat · {chat.model.path.stem} · {budget}: {s.budget_cells:,} tokens in {mib_text(s.kv_bytes)} "
             f"({full_cache_text(s)}) · {s.method}, "
             f"recall {'on' if e.tier is not None else 'off'}, {e.backend} backend · {sampling}{stock}")
+
+
+def _tier_cap_text(f: dict, spill_dir: str | None) -> str:
+    """``/stats``' row of the recall tier's RAM cap (``Engine.kv_figures``): the cap, what it holds, what happens
+    past it and how much did."""
+    mib = 2**20
+    if f["host_tier_past_cap"] is None:
+        return "none (--recall-mem none): the tier's RAM grows with every row evicted"
+    head = f"{f['host_tier_cap'] / mib:,.1f} MiB of RAM (--recall-mem), {f['host_tier_cap_used'] / mib:,.1f} MiB held"
+    if f["host_tier_past_cap"] == "spill":
+        return f"{head}; past it rows go to a file in {spill_dir}: {f['host_tier_file_bytes'] / mib:,.1f} MiB there"
+    return (f"{head}; past it the oldest rows are dropped: {f['host_tier_dropped_rows']:,} so far "
+            f"(--recall-dir: to a file instead)")
 
 
 def _count(n: int, noun: str) -> str:

@@ -60,6 +60,8 @@ class EngineStats:
     host_bytes_peak: int = 0  # kvlocal's own memory: the largest host copy of the cache one event made
     host_kv_bytes: int = 0  # K/V bytes events copied between llama.cpp's cache and kvlocal's memory (0 on native;
     # the state backend in place: the kept rows it writes back; through the state blob: every cell out, kept ones in)
+    device_transfers: int = 0  # copies between the host and the cache's backends that kvlocal's llama.cpp calls made
+    # (scores, merges, compactions, recalled rows: llama_kvlocal_get_counters); O(layers) an event, not O(rows)
     backend: str = ""  # the KV backend compression runs on: "native" or "state"
     budget_cells: int = 0
     kv_cells_live: int = 0
@@ -85,8 +87,14 @@ class EngineStats:
     recall_candidates: int = 0  # tier rows scored by re-selections (the best pages' rows)
     recall_rows_in: int = 0  # rows brought back to the device
     recall_rows_out: int = 0  # rows the tier took (each row once: one brought back and evicted again costs nothing)
-    recall_dropped_rows: int = 0  # rows that did not fit under --recall-mem without --recall-dir
+    recall_dropped_rows: int = 0  # tier rows forgotten: positions moved back, or an event's own past the RAM cap
+    # (the oldest rows dropped for the cap: Engine.kv_figures' host_tier_dropped_rows)
     end_tokens: int = 0  # end-of-generation tokens decoded into the cache (not yielded, not in generated_tokens)
+    # host bytes copied so that a turn could be undone (kvlocal.engine.undo): the rows its events evict that no recall
+    # tier keeps, the cells whole where its log would hold more (or before positions move, or with a sliding window;
+    # on a GPU, across PCIe), the tier's rows before positions move; 0 where the tier holds what its events evicted
+    rollback_bytes: int = 0
+    rollback_copies: int = 0  # how many such copies
 
     @property
     def tokens_seen(self) -> int:

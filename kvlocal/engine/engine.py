@@ -42,7 +42,8 @@ probe (no decode of ours; measured to find fewer facts, not the default). The de
 
 Ctrl-C (KeyboardInterrupt) at any point leaves the engine as it was before the interrupted chunk or token: cells
 past the last completed position are removed, and a compression event either completes or leaves the previous
-cells (``write_seq`` is all or nothing). An Engine is not thread-safe: use one per thread (or guard it with a
+cells (``write_seq`` is all or nothing). A whole turn is undone by what it changed (:meth:`Engine.mark`,
+:meth:`Engine.undo`: :mod:`kvlocal.engine.undo`). An Engine is not thread-safe: use one per thread (or guard it with a
 lock). Several engines may share nothing but the read-only W_O cache.
 """
 
@@ -63,11 +64,12 @@ from kvlocal.engine.observation import Observations, Rope
 from kvlocal.engine.observing import Observing
 from kvlocal.engine.positions import reposition
 from kvlocal.engine.reselect import Reselection
+from kvlocal.engine.undo import TurnMark, after_apply, before_apply, before_reposition, open_mark, release, undo
 from kvlocal.errors import UsageError
-from kvlocal.recall import HostTier, evicted, store_evicted
+from kvlocal.recall import HostTier, TierMemory, evicted, store_evicted, tier_figures
 from kvlocal.runtime import (CacheBasis, CacheLost, CacheRead, Context, Model, QueryCapture, Sampler, bytes_per_value,
-                             has_attention_bias, kv_cache_bytes, make_backend, output_projections, pad_cells,
-                             resolve_backend, row_format)
+                             flash_attention, has_attention_bias, kv_cache_bytes, make_backend, output_projections,
+                             pad_cells, resolve_backend, row_format)
 
 # A generic observation window for when the question is not known yet (a document read before the
 # chat starts). Query-agnostic, in the spirit of KVzip's reconstruction prompt: queries that ask for
@@ -102,7 +104,7 @@ class Engine(Reselection, Observing):
         endless: bool = False,
         backend: str = "auto",
         recall: bool | None = False,
-        recall_mem: int | None = None,
+        recall_mem: int | str | TierMemory | None = None,  # the tier's RAM cap (TierMemory.of: None the default)
         recall_dir: str | None = None,
         recall_span: str = "row",
         recall_candidates: float = RECALL_CANDIDATES,
@@ -161,8 +163,9 @@ class Engine(Reselection, Observing):
             raise self._no_room(pad_cells(n_ctx))  # before llama.cpp allocates a cache that cannot work
         self.ctx = Context(m, n_ctx=n_ctx, n_batch=min(n_ctx, 2048), n_threads=n_threads,
                            type_k=type_k, type_v=type_v, cb_eval=self.capture.callback,
-                           # llama.cpp stores a quantized V cache only with flash attention
-                           flash_attn=flash_attn or type_v not in (None, 1))
+                           flash_attn=flash_attention(flash_attn, type_v, biased=method in BIAS_METHODS,
+                                                      offloaded=m.n_gpu_layers != 0,
+                                                      head_dims=(m.arch.head_dim_k, m.arch.head_dim_v)))
         measured = self.ctx.kv_bytes()
         allocated = measured or kv_cache_bytes(m, self.ctx.n_ctx, self.ctx.n_ubatch)
         self.stats = EngineStats(n_ctx=self.ctx.n_ctx, budget_cells=self.budget_cells, backend=self.backend,
@@ -195,9 +198,10 @@ class Engine(Reselection, Observing):
         self._answering = False  # the tokens generated now answer a question that re-selected the cache
         self._held: tuple[list[np.ndarray], np.ndarray] | None = None  # the queries of kept steps, for the next swap
         self.tier = HostTier(len(self.layers), m.n_head_kv, row_format(type_k, m.arch.head_dim_k),
-                             row_format(type_v, m.arch.head_dim_v), m.arch.head_dim_k, recall_mem,
+                             row_format(type_v, m.arch.head_dim_v), m.arch.head_dim_k, TierMemory.of(recall_mem),
                              recall_dir) if recall else None
         self._broken: str | None = None  # set when a failed rewrite lost the cache: nothing more may run
+        self._marks: list[TurnMark] = []  # turns that may still be undone (:meth:`mark`), oldest first
         self.n_past = 0  # next position
         self.logits: np.ndarray | None = None
         self.last_token = -1
@@ -346,6 +350,22 @@ class Engine(Reselection, Observing):
             settled=self._settled, probe=None if self._probe is None else list(self._probe), reply=list(self._reply),
             stats=self.stats.as_dict())
 
+    def mark(self) -> TurnMark:
+        """Where a turn begins, for :meth:`undo`: nothing is copied while the turn decodes; each event notes what it
+        rewrites, copying only rows the recall tier does not keep (:mod:`kvlocal.engine.undo`, counted in
+        ``rollback_bytes``). Open until undone or :meth:`release`-d."""
+        self._check_usable()
+        return open_mark(self)
+
+    def undo(self, mark: TurnMark) -> None:
+        """Put the engine back to ``mark`` exactly (cells, positions, biases, records, logits, tier, statistics):
+        the turn's events are reversed and the cells it added removed. Closes ``mark`` and the marks after it."""
+        undo(self, mark)
+
+    def release(self, mark: TurnMark) -> None:
+        """Stop keeping what :meth:`undo` would need for ``mark`` (a turn that will not be undone)."""
+        release(self, mark)
+
     def restore(self, state: "EngineState") -> None:
         """Put the engine back to a :meth:`snapshot` of this engine or of one made with the same model and
         settings (a saved session). All or nothing: if llama.cpp refuses the cells, the ones held before
@@ -372,6 +392,7 @@ class Engine(Reselection, Observing):
             self._probe = None if state.probe is None else list(state.probe)
             self._reply = list(state.reply)
             self._answering = False  # a restored answer goes on without re-selecting
+            self._marks.clear()  # they describe the cells replaced
             fixed = {k: getattr(self.stats, k) for k in ("n_ctx", "kv_bytes_allocated", "kv_bytes_swa",
                                                          "kv_bytes_measured", "kv_bytes_full", "budget_cells")}
             self.stats = EngineStats(**{**state.stats, **fixed})
@@ -401,13 +422,20 @@ class Engine(Reselection, Observing):
         tokens now), ``budget_cells``, ``ctx_size`` (the context the comparison is for: -c, or the model's
         trained one), ``kv_bytes`` (what this cache allocated), ``kv_bytes_full`` (what llama.cpp's own cache,
         of the same types and without compression, allocates for ``ctx_size`` — or for every token seen, once
-        they are more), ``host_tier_bytes`` (the recall tier's host memory)."""
+        they are more), and the recall tier's memory: ``host_tier_bytes``, its cap and what happens past it
+        (:func:`~kvlocal.recall.tier_figures`)."""
         s = self.stats
         ctx = self.cfg.max_tokens
         full = s.kv_bytes_full if s.tokens_seen <= ctx else sum(
             kv_cache_bytes(self.model, pad_cells(s.tokens_seen), bias=False, bytes_per_elem=self.bytes_per_value))
         return dict(tokens_seen=s.tokens_seen, tokens_kept=s.kv_cells_live, budget_cells=self.budget_cells, ctx_size=ctx,
-                    kv_bytes=s.kv_bytes_allocated, kv_bytes_full=full, host_tier_bytes=s.host_tier_bytes)
+                    kv_bytes=s.kv_bytes_allocated, kv_bytes_full=full, **tier_figures(self.tier))
+
+    def close(self) -> None:
+        """Free llama.cpp's context and give the recall tier's RAM back (to the conversations sharing its cap)."""
+        self.ctx.close()
+        if self.tier is not None:
+            self.tier.close()
 
     def _probe_tokens(self, probe: Sequence[int] | None) -> list[int]:
         probe = list(probe) if probe else self.model.tokenize(AGNOSTIC_PROBE, add_special=False)
@@ -437,6 +465,7 @@ class Engine(Reselection, Observing):
     def _fit_positions(self, n: int) -> bool:
         """Endless sessions: if the next n positions would pass the trained context, reposition first."""
         if self.endless and self.n_past + n > self.position_limit:
+            before_reposition(self)  # an open turn keeps the cells and the tier this renumbers
             reposition(self, n)
             return True
         return False
@@ -525,6 +554,7 @@ class Engine(Reselection, Observing):
     def _apply(self, read: CacheRead, plan: Plan) -> None:
         """Write ``plan`` into the cache; with a tier, the device rows it drops go there (room for them is made
         and the rows are copied before the cache changes: a full disk fails here, the cache as it was)."""
+        rewrite = before_apply(self, read, plan)  # what an open turn needs to undo this event
         if self.tier is not None:
             gone = evicted(read, plan)
             self.tier.reserve(np.stack([np.bincount(heads, minlength=plan.n_kv) for _, heads in gone]))
@@ -539,10 +569,13 @@ class Engine(Reselection, Observing):
             finally:
                 self._note_live()
             self._settled = max(self.budget_cells, plan.n_slots)
+            dropped = self.tier.dropped_rows if self.tier is not None else 0
             if self.tier is not None:
                 store_evicted(self.tier, read, plan, self.basis, gone, rows)
+            after_apply(self, rewrite, rows if self.tier is not None and self.tier.dropped_rows > dropped else None)
         s = self.stats
         s.host_kv_bytes, s.host_bytes_peak = self.kv.host_kv_bytes, self.kv.host_bytes_peak
+        s.device_transfers = self.ctx.counters()["transfers"]
         s.wo_cache_bytes = self._wo.nbytes if self._wo is not None else 0
         if self.tier is not None:
             t = self.tier

@@ -58,8 +58,9 @@ def with_candidates(read, tier: HostTier, cands: Candidates, backend, span: str 
     """``read`` extended by ``backend`` (:meth:`~kvlocal.runtime.KVBackend.extend`) with the candidates as
     ``cands.width`` more cells: per layer, head ``h``'s ``j``-th candidate sits in new cell ``j``, rows a
     head has no candidate for are empty (position -1, count 0). ``tier_ids`` says which rows came from
-    the tier. ``span="page"``: a tier page's rows rank together (its best row's score), so a fact comes
-    back whole or not at all; ``"row"``: each row on its own score.
+    the tier, by their numbers (``HeadStore.base + id``: a row keeps its number while older ones are dropped to
+    make room for the rows this plan evicts). ``span="page"``: a tier page's rows rank together (its best row's
+    score), so a fact comes back whole or not at all; ``"row"``: each row on its own score.
 
     Returns ``(union, values)``. The candidates' keys are all copied (the scorers read every one), their values
     only where the tier knows no value norm (a scorer computes it from them): call ``values(plan)`` before the plan
@@ -88,7 +89,7 @@ def with_candidates(read, tier: HostTier, cands: Candidates, backend, span: str 
             s.rows_into(ids, k_new[l][:c, h], None)
             k_new[l][c:, h] = 0  # the empty rows' keys (the scorers read every key; their values are never read)
             norms = vnorm[l, h, :c] = s.vnorm[ids]
-            true[l, h, :c], count[l, h, :c], tier_ids[l, h, :c] = s.pos[ids], 1, ids
+            true[l, h, :c], count[l, h, :c], tier_ids[l, h, :c] = s.pos[ids], 1, ids + s.base
             unknown = np.flatnonzero(np.isnan(norms))
             if len(unknown):
                 v_new[l][unknown, h] = s.values(ids[unknown])
@@ -176,4 +177,5 @@ def store_evicted(tier: HostTier, read, plan, basis, gone, rows) -> None:
             keep = keep[keep >= 0]
             back = keep[from_tier[l, h, keep]]
             if len(back):
-                tier.mark(l, h, read.tier_ids[l, h, back])
+                ids = read.tier_ids[l, h, back] - tier.heads[l][h].base  # (below 0: dropped since, on the device now)
+                tier.mark(l, h, ids[ids >= 0])

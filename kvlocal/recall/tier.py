@@ -14,10 +14,14 @@ keys are stored in (Walsh–Hadamard-rotated for a quantized cache, where querie
 For a query ``q``, ``Σ_d max(q_d·min_d, q_d·max_d)`` bounds ``q·k`` for every key of the page, so pages
 can be ranked without reading their rows (:meth:`HeadStore.page_bounds`).
 
-Memory. Rows live in chunks of ``CHUNK`` rows taken from a :class:`Pool`: host RAM up to ``mem_limit``
-bytes, then (with ``spill_dir``) a file in that folder, memory-mapped and grown by preallocated extents
-(a full disk fails the allocation, before any row is moved, instead of a SIGBUS on a sparse page). With
-a RAM limit and no folder, rows that no longer fit are dropped and counted (``dropped_rows``).
+Memory. Rows live in chunks of ``CHUNK`` rows taken from a :class:`Pool`: host RAM from a :class:`TierMemory`
+(at most its ``limit`` bytes, shared by every tier given the same one: a server's conversations), then (with
+``spill_dir``) a file in that folder, memory-mapped and grown by preallocated extents (a full disk fails the
+allocation, before any row is moved, instead of a SIGBUS on a sparse page). With a limit and no folder, the
+oldest rows go to make room: the chunks taken first, of all the tiers sharing the memory, are given to the
+heads that need them, and their rows off the device are counted (``cap_dropped_rows``). A head's rows are
+then numbered from its oldest left (``HeadStore.base`` counts the ids passed: ``base + id`` numbers a row
+for as long as it is stored).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+import weakref
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,24 +41,114 @@ from kvlocal.errors import UsageError
 PAGE = 16  # rows per page (Quest uses 16)
 CHUNK = 16 * PAGE  # rows per storage chunk: the unit of allocation (an event stores hundreds of rows a head)
 EXTENT = 64 << 20  # bytes the spill file grows by
-SLAB = 8 << 20  # bytes of RAM allocated at once, then cut into chunks (Pool._from_slab)
+SLAB = 8 << 20  # bytes of RAM allocated at once, then cut into chunks (TierMemory._from_slab)
+RECALL_MEM_SHARE = 8  # the default RAM cap: this fraction (1/8) of the memory the process may use ...
+RECALL_MEM_MAX = 4 << 30  # ... and at most this (docs/recall.md § Memory: why)
 
 
 class TierFull(Exception):
-    """The pool cannot take a chunk (RAM limit without a spill folder)."""
+    """The pool cannot take a chunk (RAM limit reached, no spill folder)."""
+
+
+class TierMemory:
+    """The RAM that the recall tiers given it may hold: at most ``limit`` bytes (None: no limit). A chat's engine
+    has its own; ``kvlocal serve`` gives every conversation's tier the same one, so that one cap holds for all.
+
+    RAM goes out in chunks (:meth:`take`), cut from slabs no larger than what the limit leaves; a chunk given back
+    (:meth:`give`: its rows dropped, or its tier closed) waits for the next one asked for and stays counted in
+    ``used``, which is the RAM held. The tiers that drop their oldest rows past the limit register each chunk they
+    take (:meth:`own`), and :meth:`reclaim` takes the oldest of them all back. One thread at a time (a server's
+    worker)."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit
+        self.used = 0
+        self._free: dict[int, list[np.ndarray]] = {}  # chunks given back, by size
+        self._slab, self._slab_used = np.empty(0, dtype=np.uint8), 0  # RAM chunks are cut from the last slab
+        self._order: deque = deque()  # (weak reference to a tier, (layer, head)) per droppable chunk, oldest first
+
+    @classmethod
+    def of(cls, recall_mem: "int | str | TierMemory | None") -> "TierMemory":
+        """The memory ``recall_mem`` asks for (Engine's and Chat's keyword): a TierMemory itself (shared), bytes or
+        a size (``"2G"``), ``"none"`` (no limit), or None: :func:`default_recall_mem`."""
+        if isinstance(recall_mem, TierMemory):
+            return recall_mem
+        value = recall_mem_setting(recall_mem)
+        return cls(default_recall_mem() if value is None else None if value == "none" else value)
+
+    @property
+    def setting(self) -> int | str:
+        """The limit as a chat's settings keep it: bytes, or ``"none"``."""
+        return "none" if self.limit is None else self.limit
+
+    def room(self, nbytes: int) -> float:
+        """How many chunks of ``nbytes`` may still be had without dropping rows."""
+        spare = float("inf") if self.limit is None else (self.limit - self.used) // nbytes
+        return len(self._free.get(nbytes, ())) + spare
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """A uint8 chunk of ``nbytes`` of RAM (one given back first), or None when the limit has no room for it."""
+        free = self._free.get(nbytes)
+        if free:
+            return free.pop()
+        if self.limit is not None and self.used + nbytes > self.limit:
+            return None
+        self.used += nbytes
+        return self._from_slab(nbytes)
+
+    def give(self, chunk: np.ndarray) -> None:
+        """A chunk is no longer used: it waits for the next :meth:`take` of its size (still counted in ``used``)."""
+        self._free.setdefault(chunk.nbytes, []).append(chunk)
+
+    def own(self, tier: "HostTier", key: tuple[int, int]) -> None:
+        """``tier`` took a chunk for its head ``key``: the newest :meth:`reclaim` may take back. Entries of closed
+        tiers are dropped once they are the majority, so that the order stays as long as the chunks held."""
+        if len(self._order) > 64 + 2 * (self.used // tier.chunk_bytes):
+            self._order = deque(e for e in self._order if (t := e[0]()) is not None and t.is_open)
+        self._order.append((weakref.ref(tier), key))
+
+    def reclaim(self, asking: "HostTier") -> "tuple[HostTier, tuple[int, int]] | None":
+        """Drop the oldest chunk of all the tiers that registered theirs (:meth:`HostTier.drop_oldest`; it is given
+        back here) that none holds (:meth:`HostTier.hold`), else the oldest another tier than ``asking`` holds (a
+        conversation waiting for its next turn: its last one can no longer be undone). Returns the tier and head it
+        was taken from, or None when no tier has one to give. A held chunk waits at the end of the order."""
+        for force in (False, True):
+            for _ in range(len(self._order)):
+                ref, key = self._order.popleft()
+                tier = ref()
+                if tier is None:
+                    continue
+                done = tier.drop_oldest(*key, force=force and tier is not asking)
+                if done:
+                    return tier, key
+                if done is None:
+                    self._order.append((ref, key))
+        return None
+
+    def _from_slab(self, nbytes: int) -> np.ndarray:
+        """RAM for a chunk (counted in ``used`` already), cut from a slab of up to ``SLAB`` bytes (:func:`_slab`).
+        A slab is never larger than what ``limit`` leaves: ``used`` counts the chunks handed out, the rest of the
+        last slab waits for the next ones."""
+        if nbytes > len(self._slab) - self._slab_used:
+            room = SLAB if self.limit is None else min(SLAB, nbytes + self.limit - self.used)
+            self._slab, self._slab_used = _slab(max(room, nbytes)), 0
+        out = self._slab[self._slab_used:self._slab_used + nbytes]
+        self._slab_used += nbytes
+        return out
 
 
 class Pool:
-    """Byte buffers for the tier's chunks: RAM up to ``mem_limit`` (None: no limit), then extents of a
-    file in ``spill_dir``. ``ram_bytes`` and ``file_bytes`` say what is in use."""
+    """Byte buffers for one tier's chunks: RAM from ``memory`` (a :class:`TierMemory`; by default its own, without
+    a limit), then extents of a file in ``spill_dir``. ``ram_bytes`` and ``file_bytes`` say what this tier holds."""
 
-    def __init__(self, mem_limit: int | None = None, spill_dir: str | os.PathLike | None = None):
-        self.mem_limit, self.spill_dir = mem_limit, spill_dir
+    def __init__(self, memory: TierMemory | None = None, spill_dir: str | os.PathLike | None = None):
+        self.memory = TierMemory() if memory is None else memory
+        self.spill_dir = spill_dir
         self.ram_bytes = self.file_bytes = 0
+        self._ram: dict[int, np.ndarray] = {}  # its RAM chunks by address: given back by free() or close()
         self._file = None  # (fd, path)
         self._extents: list[mmap.mmap] = []
         self._free = 0  # bytes left in the last extent
-        self._slab, self._slab_used = np.empty(0, dtype=np.uint8), 0  # RAM chunks are cut from the last slab
         if spill_dir is not None:
             self._open_file()
 
@@ -68,9 +164,11 @@ class Pool:
     def alloc(self, nbytes: int) -> np.ndarray:
         """A uint8 buffer of ``nbytes``; TierFull when neither RAM nor the file may take it; UsageError
         when the disk is full."""
-        if self.mem_limit is None or self.ram_bytes + nbytes <= self.mem_limit:
+        buf = self.memory.take(nbytes)
+        if buf is not None:
             self.ram_bytes += nbytes
-            return self._from_slab(nbytes)
+            self._ram[buf.ctypes.data] = buf
+            return buf
         if self._file is None:
             raise TierFull
         if nbytes > self._free:
@@ -81,16 +179,11 @@ class Pool:
         self.file_bytes += nbytes
         return np.frombuffer(m, dtype=np.uint8, count=nbytes, offset=off)
 
-    def _from_slab(self, nbytes: int) -> np.ndarray:
-        """RAM for a chunk (counted in ``ram_bytes`` already), cut from a slab of up to ``SLAB`` bytes
-        (:func:`_slab`). A slab is never larger than what ``mem_limit`` leaves: ``ram_bytes`` counts the chunks
-        handed out, the rest of the last slab waits for the next ones."""
-        if nbytes > len(self._slab) - self._slab_used:
-            room = SLAB if self.mem_limit is None else min(SLAB, nbytes + self.mem_limit - self.ram_bytes)
-            self._slab, self._slab_used = _slab(max(room, nbytes)), 0
-        out = self._slab[self._slab_used:self._slab_used + nbytes]
-        self._slab_used += nbytes
-        return out
+    def free(self, chunk: np.ndarray) -> None:
+        """The RAM chunk that begins where ``chunk`` (a view of it) does goes back to the memory."""
+        buf = self._ram.pop(chunk.ctypes.data)
+        self.ram_bytes -= buf.nbytes
+        self.memory.give(buf)
 
     def _grow(self, nbytes: int) -> None:
         fd, path = self._file
@@ -108,6 +201,11 @@ class Pool:
         return self.ram_bytes + self.file_bytes
 
     def close(self) -> None:
+        """Its RAM back to the memory (for the other tiers sharing it), its file closed."""
+        for buf in self._ram.values():
+            self.memory.give(buf)
+        self._ram.clear()
+        self.ram_bytes = 0
         self._extents.clear()  # views into them may outlive this (numpy keeps the mmap alive)
         if self._file is not None:
             os.close(self._file[0])
@@ -131,6 +229,7 @@ class HeadStore:
     chunks: list = field(default_factory=list)  # [(k [CHUNK, ...], v [CHUNK, ...])]
     _addr: tuple = (np.zeros(0, np.uintp), np.zeros(0, np.uintp))  # the chunks' K and V addresses
     _row_of: np.ndarray | None = None  # row id by position (-1: none), built when first asked, kept as rows come
+    base: int = 0  # ids passed by the oldest rows dropped: ``base + id`` numbers a row while it is stored
 
     def __post_init__(self) -> None:
         if self.kmin is None:
@@ -166,6 +265,21 @@ class HeadStore:
     def forget_index(self) -> None:
         """Rows were dropped or renumbered: the position index is built again when next asked."""
         self._row_of = None
+
+    def drop_first_chunk(self) -> tuple[np.ndarray, int]:
+        """Its oldest chunk goes, and the rows it held: rows ``CHUNK ..`` become rows ``0 ..`` (views of the same
+        arrays: nothing is copied) and ``base`` grows by ``CHUNK``. Returns the chunk's K rows (the start of its
+        buffer) and how many of its rows were off the device."""
+        gone = min(CHUNK, self.n)
+        lost = int((~self.on_device[:gone]).sum())
+        k, _ = self.chunks.pop(0)
+        self.n -= gone
+        self.base += CHUNK
+        self.pos, self.vnorm, self.on_device = self.pos[CHUNK:], self.vnorm[CHUNK:], self.on_device[CHUNK:]
+        self.kmin, self.kmax = self.kmin[CHUNK // PAGE:], self.kmax[CHUNK // PAGE:]
+        self._addr = (self._addr[0][1:], self._addr[1][1:])
+        self.forget_index()
+        return k, lost
 
     def rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """K and V of the rows ``ids``: ``[m, ...]`` each, copies."""
@@ -205,22 +319,34 @@ class HostTier:
     """The evicted rows of every compressed layer and KV head; see the module docstring.
 
     ``row_k``/``row_v``: ``(dtype, shape)`` of one cached row (the state backend's arrays: float16 ``(d,)``
-    for an F16 cache, uint8 ``(bytes,)`` for a quantized one). ``mem_limit`` bytes of RAM (None: no limit),
-    then ``spill_dir`` (None: drop what does not fit)."""
+    for an F16 cache, uint8 ``(bytes,)`` for a quantized one). ``mem_limit``: bytes of RAM (None: no limit), or
+    a :class:`TierMemory` shared with other tiers; then ``spill_dir``, or (None) the oldest rows are dropped."""
 
     def __init__(self, n_layer: int, n_head_kv: int, row_k: tuple, row_v: tuple, key_dim: int,
-                 mem_limit: int | None = None, spill_dir: str | os.PathLike | None = None):
+                 mem_limit: "int | TierMemory | None" = None, spill_dir: str | os.PathLike | None = None):
         row_k = (np.dtype(row_k[0]), tuple(row_k[1]))
         row_v = (np.dtype(row_v[0]), tuple(row_v[1]))
         self.row_bytes = row_k[0].itemsize * int(np.prod(row_k[1])) + row_v[0].itemsize * int(np.prod(row_v[1]))
-        if mem_limit is not None and mem_limit < CHUNK * self.row_bytes:
-            raise UsageError(f"--recall-mem {mem_limit:,} bytes is below one block of the tier ({CHUNK} rows of "
-                             f"{self.row_bytes} bytes): give at least {CHUNK * self.row_bytes:,}, or leave it out")
-        self.pool = Pool(mem_limit, spill_dir)
+        self.chunk_bytes = CHUNK * self.row_bytes
+        memory = mem_limit if isinstance(mem_limit, TierMemory) else TierMemory(mem_limit)
+        if memory.limit is not None and memory.limit < self.chunk_bytes:
+            raise UsageError(f"--recall-mem {memory.limit:,} bytes is below one block of the tier ({CHUNK} rows of "
+                             f"{self.row_bytes} bytes): give at least {self.chunk_bytes:,}, or leave it out")
+        self.pool = Pool(memory, spill_dir)
+        # past the limit without a folder the oldest rows go (their chunks registered with the memory)
+        self.drops_oldest = memory.limit is not None and spill_dir is None
         self.heads = [[HeadStore(row_k, row_v, key_dim) for _ in range(n_head_kv)] for _ in range(n_layer)]
-        self.dropped_rows = 0
+        self.dropped_rows = 0  # rows off the device forgotten: positions moved back, or an event's own past the cap
+        self.cap_dropped_rows = 0  # rows off the device dropped for the RAM limit: the oldest, or an event's own
         self.rows_out = 0  # rows that crossed from the device into the tier
         self.rows_in = 0  # rows brought back to the device
+        # what the open turns need kept (hold): their marks by id, (sequence, mark); the stored rows they saw leave the
+        # device again, per (layer, head) [(sequence of the newest turn then, row numbers)]
+        self._turns: dict[int, tuple[int, np.ndarray]] = {}
+        self._touched: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
+        self._seq = 0
+        self._lost: set[int] = set()  # the open turns (ids of their marks) whose held rows were dropped after all
+        self._closed = weakref.finalize(self, self.pool.close)  # a tier never closed gives its RAM back when collected
 
     # -- figures ------------------------------------------------------------------------------------
     @property
@@ -234,26 +360,124 @@ class HostTier:
                    + (0 if s._row_of is None else s._row_of.nbytes) for layer in self.heads for s in layer)
         return self.pool.nbytes + meta
 
+    def figures(self) -> dict:
+        """The tier's memory under the names the front doors print (:func:`tier_figures`)."""
+        m = self.pool.memory
+        return dict(host_tier_bytes=self.nbytes, host_tier_cap=m.limit, host_tier_cap_used=m.used,
+                    host_tier_past_cap=None if m.limit is None else "drop_oldest" if self.drops_oldest else "spill",
+                    host_tier_file_bytes=self.pool.file_bytes, host_tier_dropped_rows=self.cap_dropped_rows)
+
+    @property
+    def is_open(self) -> bool:
+        return self._closed.alive
+
     def close(self) -> None:
-        self.pool.close()
+        """Its RAM goes back to its memory (to the other tiers sharing it); nothing may be stored after."""
+        self._closed()
+        for layer in self.heads:
+            for s in layer:
+                s.chunks, s.n, s._addr = [], 0, (np.zeros(0, np.uintp), np.zeros(0, np.uintp))
 
     # -- rows out ------------------------------------------------------------------------------------
     def reserve(self, counts: np.ndarray) -> None:
         """Make room for ``counts[l, h]`` more rows of each head before any row moves: the chunks they
         need are allocated now, so that running out of disk fails before the cache changes (UsageError).
-        Heads the pool cannot take (RAM limit, no folder) are left short; :meth:`add` then drops rows."""
+        Past the RAM limit without a folder the oldest chunks of the tiers sharing it are dropped first
+        (:meth:`_make_room`); heads still short (an event larger than the limit) are left so, and :meth:`add`
+        drops their rows."""
+        lack = {}  # chunks each head lacks
         for l, layer in enumerate(self.heads):
             for h, s in enumerate(layer):
-                need = -(-(s.n + int(counts[l, h])) // CHUNK)
-                while len(s.chunks) < need:
-                    try:
-                        s.chunks.append(self._chunk(s))
-                    except TierFull:
-                        break
+                short = self._lack(s, int(counts[l, h]))
+                if short > 0:
+                    lack[l, h] = short
+        if self.drops_oldest:
+            self._make_room(lack, counts)
+        for (l, h), short in lack.items():
+            s = self.heads[l][h]
+            for _ in range(short):
+                try:
+                    s.chunks.append(self._chunk(l, h))
+                except TierFull:
+                    break
 
-    def _chunk(self, s: HeadStore):
+    @staticmethod
+    def _lack(s: HeadStore, count: int) -> int:
+        """Chunks head ``s`` lacks for ``count`` more rows (0 or less: none)."""
+        return -(-(s.n + count) // CHUNK) - len(s.chunks)
+
+    def _make_room(self, lack: dict, counts: np.ndarray) -> None:
+        """Drop the oldest chunks (:meth:`TierMemory.reclaim`) until the memory has room for the chunks ``lack``
+        says the heads lack; a chunk dropped from one of this tier's heads changes what that head lacks."""
+        memory, total = self.pool.memory, sum(lack.values())
+        while total > memory.room(self.chunk_bytes):
+            got = memory.reclaim(self)
+            if got is None:
+                return
+            tier, (l, h) = got
+            if tier is self:
+                short = max(self._lack(self.heads[l][h], int(counts[l, h])), 0)
+                total += short - lack.get((l, h), 0)
+                lack[l, h] = short
+
+    def hold(self, marks: list[np.ndarray]) -> None:
+        """Keep from the RAM cap what undoing the open turns reads back from here (:mod:`kvlocal.engine.undo`): the
+        rows their events evicted — those stored since ``marks`` (:meth:`mark_of` when each began, oldest first), and
+        those stored before that left the device again since (a row brought back and evicted is not stored twice).
+        The cap drops other rows first; where a head's oldest block holds such rows, the head keeps its rows for the
+        turn (an event's own rows that find no room are dropped then: ``dropped_rows``). Empty: none held."""
+        turns = {}
+        for m in marks:
+            if id(m) not in self._turns:
+                self._seq += 1
+            turns[id(m)] = self._turns.get(id(m)) or (self._seq, np.array(m, dtype=np.int64))
+        self._turns = turns
+        self._lost &= set(turns)
+        first = min((seq for seq, _ in turns.values()), default=self._seq + 1)
+        self._touched = {key: kept for key, rows in self._touched.items()
+                         if (kept := [(seq, r) for seq, r in rows if seq >= first])}
+
+    def _touch(self, s: HeadStore, layer: int, head: int, ids: np.ndarray) -> None:
+        """Stored rows ``ids`` of a head left the device again: the open turns need them (:meth:`hold`)."""
+        if self._turns:
+            self._touched.setdefault((layer, head), []).append((self._seq, s.base + np.asarray(ids, dtype=np.int64)))
+
+    def _held(self, s: HeadStore, layer: int, head: int) -> bool:
+        """Whether the head's oldest chunk holds rows an open turn needs (:meth:`hold`)."""
+        end = s.base + min(s.n, CHUNK)
+        if not self._turns or end == s.base:
+            return False
+        if any(end > m[layer, head] for _, m in self._turns.values()):
+            return True
+        return any(((r >= s.base) & (r < end)).any() for _, r in self._touched.get((layer, head), ()))
+
+    def intact(self, mark: np.ndarray) -> bool:
+        """Whether the rows an undo to the open turn that began at ``mark`` reads back are all here (:meth:`hold`)."""
+        return id(mark) not in self._lost
+
+    def drop_oldest(self, layer: int, head: int, force: bool = False) -> bool | None:
+        """The memory takes back this head's oldest chunk (:meth:`TierMemory.reclaim`): its rows go, those off the
+        device counted in ``cap_dropped_rows``. True: done; None: not now (it holds rows :meth:`hold` keeps, and not
+        ``force``: else the open turns can no longer be undone, :meth:`intact`); False: never (the tier is closed or
+        the head holds no chunk)."""
+        s = self.heads[layer][head]
+        if not self.is_open or not s.chunks:
+            return False
+        if self._held(s, layer, head):
+            if not force:
+                return None
+            self._lost |= set(self._turns)
+        k, lost = s.drop_first_chunk()
+        self.cap_dropped_rows += lost
+        self.pool.free(k)
+        return True
+
+    def _chunk(self, layer: int, head: int):
+        s = self.heads[layer][head]
         kb = s.row_k[0].itemsize * int(np.prod(s.row_k[1])) * CHUNK
-        buf = self.pool.alloc(CHUNK * self.row_bytes)  # K's rows, then V's
+        buf = self.pool.alloc(self.chunk_bytes)  # K's rows, then V's
+        if self.drops_oldest:
+            self.pool.memory.own(self, (layer, head))
         buf_k, buf_v = buf[:kb], buf[kb:]
         return (buf_k.view(s.row_k[0]).reshape(CHUNK, *s.row_k[1]), buf_v.view(s.row_v[0]).reshape(CHUNK, *s.row_v[1]))
 
@@ -270,6 +494,7 @@ class HostTier:
         have = s.index_of(pos) if s.on_device[:s.n].any() else np.full(len(pos), -1)
         back = have >= 0
         if back.any():
+            self._touch(s, layer, head, have[back])
             s.on_device[have[back]] = False
             known = ~np.isnan(vnorm[back])
             s.vnorm[have[back][known]] = vnorm[back][known]
@@ -282,8 +507,9 @@ class HostTier:
                vnorm: np.ndarray) -> None:
         """Append rows to a head's store, off the device (what its chunks cannot take is dropped and counted)."""
         room = len(s.chunks) * CHUNK - s.n
-        if len(pos) > room:
+        if len(pos) > room:  # (the RAM cap holds fewer than one event stores)
             self.dropped_rows += len(pos) - room
+            self.cap_dropped_rows += len(pos) - room
             pos, k, v, keys, vnorm = pos[:room], k[:room], v[:room], keys[:room], vnorm[:room]
         m = len(pos)
         if m == 0:
@@ -324,13 +550,15 @@ class HostTier:
 
     # -- saved sessions ------------------------------------------------------------------------------
     def to_arrays(self) -> dict[str, np.ndarray]:
-        """The tier as named arrays (a saved session's): rows per head ``tier_n`` ``[n_layer, Hkv]``, then
+        """The tier as named arrays (a saved session's): per head ``[n_layer, Hkv]`` the mark ``tier_n``
+        (:meth:`mark_of`) and the ids its oldest rows dropped passed ``tier_base`` (rows held: their difference), then
         every head's rows, positions, norms, flags and page bounds concatenated in (layer, head) order."""
         stores = [s for layer in self.heads for s in layer]
         rows = [s.rows(np.arange(s.n)) for s in stores]
         first = stores[0] if stores else None
         return {
             "tier_n": self.mark_of(),
+            "tier_base": np.array([[s.base for s in layer] for layer in self.heads], dtype=np.int64),
             "tier_pos": np.concatenate([s.pos[:s.n] for s in stores] or [np.zeros(0, np.int64)]),
             "tier_vnorm": np.concatenate([s.vnorm[:s.n] for s in stores] or [np.zeros(0, np.float32)]),
             "tier_on_device": np.concatenate([s.on_device[:s.n] for s in stores] or [np.zeros(0, bool)]),
@@ -341,8 +569,10 @@ class HostTier:
         }
 
     def load_arrays(self, a: dict[str, np.ndarray]) -> None:
-        """Fill this (empty) tier from :meth:`to_arrays`; UsageError if they do not fit its shape."""
-        n = np.asarray(a["tier_n"], dtype=np.int64)
+        """Fill this (empty) tier from :meth:`to_arrays` (``tier_base`` absent: none dropped); UsageError if they do
+        not fit its shape or its memory."""
+        base = np.asarray(a.get("tier_base", np.zeros_like(a["tier_n"])), dtype=np.int64)
+        n = np.asarray(a["tier_n"], dtype=np.int64) - base
         stores = [s for layer in self.heads for s in layer]
         first = stores[0]
         if n.shape != (len(self.heads), len(self.heads[0])) or a["tier_k"].shape[1:] != first.row_k[1] \
@@ -350,8 +580,9 @@ class HostTier:
             raise UsageError("the saved recall tier does not fit this model and cache type")
         self.reserve(n)
         row, page = 0, 0
-        for s, m in zip(stores, n.reshape(-1)):
+        for s, m, b in zip(stores, n.reshape(-1), base.reshape(-1)):
             m = int(m)
+            s.base = int(b)
             pages = -(-m // PAGE)
             self._grow_meta(s, m)
             ids = np.arange(m)
@@ -370,16 +601,18 @@ class HostTier:
             row, page = row + m, page + pages
 
     def mark_of(self) -> np.ndarray:
-        """``[n_layer, Hkv]`` rows per head now: a mark to :meth:`truncate` back to."""
-        return np.array([[s.n for s in layer] for layer in self.heads], dtype=np.int64)
+        """``[n_layer, Hkv]`` a mark to :meth:`truncate` back to: rows per head stored so far, the oldest dropped
+        included (``base + n``)."""
+        return np.array([[s.base + s.n for s in layer] for layer in self.heads], dtype=np.int64)
 
     def truncate(self, mark: np.ndarray) -> None:
         """Forget the rows stored after :meth:`mark_of` gave ``mark`` (an engine restored to a snapshot: the
         tokens of the undone turn are gone; older rows moved since are back on the device)."""
         for l, layer in enumerate(self.heads):
             for h, s in enumerate(layer):
-                if int(mark[l, h]) < s.n:
-                    s.n = int(mark[l, h])
+                keep = int(mark[l, h]) - s.base
+                if keep < s.n:
+                    s.n = max(keep, 0)
                     s.forget_index()
 
     def renumber(self, layer: int, head: int, ids: np.ndarray, pos: np.ndarray, turn_keys) -> None:
@@ -442,9 +675,22 @@ def _grown(a: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
+def default_spill_dir() -> str:
+    """The folder a bare ``--recall-dir`` names: ``recall`` in kvlocal's cache folder (~/.cache/kvlocal)."""
+    from kvlocal.models import cache_dir
+
+    return os.fspath(cache_dir() / "recall")
+
+
 def check_spill_dir(path) -> str:
-    """``--recall-dir``: the folder, or UsageError naming the fix."""
+    """``--recall-dir``: the folder (:func:`default_spill_dir` is made if missing), or UsageError naming the fix."""
     d = os.fspath(path)
+    if d == default_spill_dir():
+        try:
+            os.makedirs(d, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--recall-dir {d} cannot be made ({e.strerror}): give a folder you can write to") \
+                from None
     if not os.path.isdir(d):
         raise UsageError(f"--recall-dir {d}: no such folder: create it, or leave --recall-dir out to keep the tier in RAM")
     return d
@@ -463,3 +709,57 @@ def parse_size(text: str, flag: str = "--recall-mem") -> int:
     if not np.isfinite(value) or value <= 0:
         raise UsageError(f"{flag} {text} must be > 0 (e.g. 512M)")
     return int(value * units[unit])
+
+
+def recall_mem_setting(value) -> int | str | None:
+    """``--recall-mem`` (Engine's and Chat's ``recall_mem``) as a chat's settings keep it: bytes, ``"none"`` (no
+    limit) or None (:func:`default_recall_mem`); a size text is parsed, a :class:`TierMemory` gives its limit.
+    UsageError naming the flag for anything else."""
+    if value is None or isinstance(value, TierMemory):
+        return None if value is None else value.setting
+    if isinstance(value, str) and value.strip().lower() == "none":
+        return "none"
+    try:
+        return parse_size(value) if isinstance(value, str) else parse_size(str(int(value)))
+    except (UsageError, TypeError, ValueError) as e:
+        why = e if isinstance(e, UsageError) else f"--recall-mem {value!r} is not a size"
+        raise UsageError(f"{why}; or none for no limit") from None
+
+
+def machine_memory() -> int | None:
+    """Bytes of memory this process may use: the machine's physical memory, or its cgroup's limit where lower (a
+    container); None where the platform tells neither."""
+    total = None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = int(limit) if total is None else min(total, int(limit))
+    return total
+
+
+def default_recall_mem() -> int:
+    """The tier's RAM cap when none is given: 1/``RECALL_MEM_SHARE`` of :func:`machine_memory`, at most
+    ``RECALL_MEM_MAX`` (that too where the memory is unknown)."""
+    ram = machine_memory()
+    return RECALL_MEM_MAX if ram is None else min(ram // RECALL_MEM_SHARE, RECALL_MEM_MAX)
+
+
+def tier_figures(tier: HostTier | None) -> dict:
+    """The recall tier's memory under the names every front door prints (``Engine.kv_figures``: the chat's
+    ``/stats``, the server's ``kv`` object, ``kvlocal run --json``): ``host_tier_bytes`` (its host memory: rows in
+    RAM and in the file, bookkeeping), ``host_tier_cap`` (the RAM cap, one for all a server's conversations; None:
+    none), ``host_tier_cap_used`` (RAM held under it, by every tier sharing it), ``host_tier_past_cap`` (what
+    happens past it: ``drop_oldest`` or ``spill``; None: no cap), ``host_tier_file_bytes`` (rows in the
+    ``--recall-dir`` file), ``host_tier_dropped_rows`` (rows dropped for the cap). Recall off: zeros, None."""
+    if tier is not None:
+        return tier.figures()
+    return dict(host_tier_bytes=0, host_tier_cap=None, host_tier_cap_used=0, host_tier_past_cap=None,
+                host_tier_file_bytes=0, host_tier_dropped_rows=0)

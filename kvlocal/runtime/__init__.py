@@ -1,6 +1,7 @@
 """The only place that talks to llama.cpp; this module is its face — import from here, not from the files.
 
-- ``library``: loads llama-cpp-python, checks its version, detects kvlocal's patch series;
+- ``library``: loads llama-cpp-python, checks its version, detects kvlocal's patch series; ``buildinfo``: what
+  ggml_patches/build.py recorded (a Metal build's patches), and so where a biased cache may use flash attention;
 - ``llama``: :class:`Model` and :class:`Context` on the low-level API (kvlocal runs its own decode loop,
   because ``Llama.eval`` assumes cell i = position i, which stops being true after eviction);
 - ``capture``: the observation queries (:class:`QueryCapture`, an eval callback);
@@ -12,6 +13,7 @@
 from kvlocal.runtime.backend import BACKEND_NAMES, CacheRead, KVBackend, RowRecord, count_bias, resolve_backend
 from kvlocal.runtime.backend_native import NativeBackend
 from kvlocal.runtime.backend_state import StateBackend
+from kvlocal.runtime.buildinfo import MetalBias, flash_attention, metal_bias
 from kvlocal.runtime.capture import QueryCapture
 from kvlocal.runtime.kvquant import CACHE_TYPES, CacheBasis, bytes_per_value, cache_type
 from kvlocal.runtime.library import (REQUIRED_LLAMA_CPP_PYTHON, RuntimeInfo, has_attention_bias, has_native_compression,
@@ -35,9 +37,11 @@ def make_backend(name: str, ctx: Context, layers, n_head_kv: int, head_dim: int,
 
 __all__ = [
     "BACKEND_NAMES", "CACHE_TYPES", "N_UBATCH", "REQUIRED_LLAMA_CPP_PYTHON",
-    "CacheBasis", "CacheLost", "CacheRead", "Context", "KVBackend", "Model", "NativeBackend", "QueryCapture",
+    "CacheBasis", "CacheLost", "CacheRead", "Context", "KVBackend", "MetalBias", "Model", "NativeBackend",
+    "QueryCapture",
     "RowRecord", "RuntimeInfo", "Sampler", "SamplerParamError", "CHAT_SAMPLING", "SAMPLING_PARAMS", "chat_sampling", "StateBackend",
-    "bytes_per_value", "cache_type", "count_bias", "has_attention_bias", "has_native_compression", "kv_cache_bytes",
-    "make_backend", "output_projections", "pad_cells", "resolve_backend", "row_format", "runtime_info",
+    "bytes_per_value", "cache_type", "count_bias", "flash_attention", "has_attention_bias", "has_native_compression",
+    "kv_cache_bytes",
+    "make_backend", "metal_bias", "output_projections", "pad_cells", "resolve_backend", "row_format", "runtime_info",
     "top_probability",
 ]

@@ -120,7 +120,7 @@ class CacheRead:
     count: np.ndarray
     kv: object = None
     groups: np.ndarray | None = None  # [n_layer, Hkv, n] rows kept or dropped together (LayerInputs.groups)
-    tier_ids: np.ndarray | None = None  # [n_layer, Hkv, n] the recall tier's id of a row brought in, -1 for a device row
+    tier_ids: np.ndarray | None = None  # [n_layer, Hkv, n] the recall tier's number of a row brought in (base + id), -1 for a device row
 
     @property
     def n(self) -> int:

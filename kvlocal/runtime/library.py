@@ -14,7 +14,7 @@ from kvlocal.errors import UsageError
 # everything in runtime/ was checked against this one.
 REQUIRED_LLAMA_CPP_PYTHON = "0.3.36"
 # LLAMA_KVLOCAL_ABI_VERSION written by the last patch in ggml_patches/
-REQUIRED_PATCH_ABI = 15
+REQUIRED_PATCH_ABI = 16
 
 BUILD_HINT = "run `python ggml_patches/build.py` (see README)"
 
@@ -82,6 +82,12 @@ def _silence_logs(lib) -> None:
     lib.llama_log_set(_cb, ctypes.c_void_p(0))
 
 
+class KvlocalCounters(ctypes.Structure):
+    """``struct llama_kvlocal_counters`` (patch ABI 16): what kvlocal's functions cost a context so far."""
+
+    _fields_ = [("n_transfers", ctypes.c_uint64), ("compute_bytes", ctypes.c_size_t), ("kv_compute_peak", ctypes.c_size_t)]
+
+
 def _symbol(name: str, restype, argtypes):
     """A function of libllama that llama-cpp-python does not bind (our patch's), or None if absent."""
     try:
@@ -136,6 +142,7 @@ def patch_functions():
              ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float),
              ctypes.POINTER(ctypes.c_float)],
         ),
+        "counters": _symbol("llama_kvlocal_get_counters", KvlocalCounters, [ctypes.c_void_p]),
         **{name: _symbol(
             f"llama_kv_{name}", ctypes.c_int32,
             [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),

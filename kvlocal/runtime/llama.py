@@ -281,6 +281,7 @@ class Context:
         :meth:`cells` order (0 unless set; ``log(count)`` for merged entries, ``-inf`` for unused ones)."""
         fn = self._bias_fn("get_bias")
         hkv = self.model.arch.n_head_kv
+        llama_lib().llama_synchronize(self._ptr)  # a decode may still run on a device: the bias is copied directly
         n = fn(self._mem, 0, il, None, 0)
         if n < 0:
             raise ValueError(f"llama_memory_seq_get_bias: no KV layer {il} in this context's cache")
@@ -293,9 +294,22 @@ class Context:
         """Set layer ``il``'s attention bias ``[n_head_kv, n]`` for the cells of sequence 0 (:meth:`cells` order)."""
         fn = self._bias_fn("set_bias")
         b = np.ascontiguousarray(bias, dtype=np.float32)
+        llama_lib().llama_synchronize(self._ptr)
         if fn(self._mem, 0, il, b.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), b.size) < 0:
             raise ValueError(f"llama_memory_seq_set_bias refused layer {il} with shape {np.shape(bias)} "
                              f"(needs [n_head_kv, cells of sequence 0])")
+
+    def counters(self) -> dict:
+        """What kvlocal's functions cost this context so far (``llama_kvlocal_get_counters``, patch ABI 16):
+        ``transfers``, the copies between the host and the cache's backends that compactions, merges, scores
+        and row copies made; ``compute_bytes``, the decode's compute buffers, which kvlocal's graphs never grow
+        (they run on a scheduler of their own); ``kv_compute_peak``, the largest buffers one of kvlocal's graphs took
+        and gave back. A stock runtime ran none of them: zeros."""
+        fn = patch_functions()["counters"]
+        if fn is None:
+            return {"transfers": 0, "compute_bytes": 0, "kv_compute_peak": 0}
+        c = fn(self._ptr)
+        return {"transfers": int(c.n_transfers), "compute_bytes": int(c.compute_bytes), "kv_compute_peak": int(c.kv_compute_peak)}
 
     def bias_cells(self) -> int:
         """(layer, cell) pairs of the cache that may hold a non-zero bias (``llama_memory_bias_cells``, patch
@@ -403,7 +417,8 @@ class Context:
         rc = self._patch_fn(name, "0013")(self._ptr, 0, l, len(cells), cells.ctypes.data_as(i32), heads.ctypes.data_as(i32),
                                           k.ctypes.data, k.shape[1], v.ctypes.data, v.shape[1])
         if rc != len(cells):
-            raise ValueError(f"llama_kv_{name} refused layer {l} (a cell, head or row size that does not match the cache)")
+            why = "the graph failed" if rc == -3 else "a cell, head or row size that does not match the cache"
+            raise ValueError(f"llama_kv_{name} refused layer {l} ({why})")
 
     @staticmethod
     def _patch_fn(name: str, patch: str):

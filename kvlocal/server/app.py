@@ -105,11 +105,12 @@ def create_app(worker: Worker, api_key: str | None = None):
         print(f"kvlocal serve: {line}", file=sys.stderr, flush=True)
 
     async def health(request: Request):
-        c = worker.cache
+        c, m = worker.cache, worker.recall_memory
         return JSONResponse({"status": "ok", "model": worker.model_id, "method": worker.chat_options["method"],
                              "budget": str(worker.chat_options["budget"]), "busy": worker.busy,
                              "queued": worker.queued, "served": worker.served, "conversations": len(c),
-                             "cache_bytes": c.bytes, "cache_bytes_max": c.max_bytes, "evictions": c.evictions})
+                             "cache_bytes": c.bytes, "cache_bytes_max": c.max_bytes, "evictions": c.evictions,
+                             "host_tier_cap_used": m.used, "host_tier_cap": m.limit})
 
     async def models(request: Request):
         return JSONResponse({"object": "list", "data": [

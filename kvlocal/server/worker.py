@@ -14,6 +14,7 @@ from typing import Callable
 from kvlocal.chat.stops import until_stop
 from kvlocal.chat.tools import message_key, turn_start
 from kvlocal.errors import UsageError
+from kvlocal.recall import TierMemory
 from kvlocal.server.conversations import ConversationCache, Key
 from kvlocal.server.sessions import SessionDir
 
@@ -92,6 +93,8 @@ class Worker:
                  sessions: SessionDir | None = None):
         self.model, self.model_id = model, model_id
         self.chat_options, self.defaults, self.max_tokens = dict(chat_options), dict(defaults), max_tokens
+        # one RAM cap for every conversation's recall tier (--recall-mem): the oldest rows of them all go first
+        self.recall_memory = self.chat_options["recall_mem"] = TierMemory.of(self.chat_options.get("recall_mem"))
         self.cache = ConversationCache(cache_bytes, cache_chats)
         self.sessions = sessions  # --session-dir: conversations written after each reply, loaded after a restart
         self.stopping = threading.Event()
@@ -163,7 +166,7 @@ class Worker:
                 return chat, "regen"
             if self.sessions is not None:
                 chat = self.sessions.load(head, self.model, lambda st: self._same_settings(st, job.options),
-                                          n_threads=self.chat_options.get("n_threads"))
+                                          n_threads=self.chat_options.get("n_threads"), recall_mem=self.recall_memory)
                 if chat is not None:
                     return chat, "restored"
         return self.new_chat(job.system, job.options, job.tools), "new"
