@@ -177,10 +177,21 @@ def check_recall_args(args) -> None:
     from kvlocal.runtime import resolve_backend
 
     kw = recall_args(args)
+    if args.recall_dir is not None and _names_a_model(args.recall_dir):
+        raise UsageError(f"--recall-dir took {args.recall_dir} as its folder: give the model before --recall-dir, "
+                         f"or a folder after it")
     on = resolve_recall(kw["recall"], args.method)
     resolve_backend(args.backend, **cache_types(args), recall=on)
     if on and args.recall_dir is not None:
         check_spill_dir(args.recall_dir)
+
+
+def _names_a_model(text: str) -> bool:
+    """Whether ``text`` reads as a model (a .gguf path or a known name) rather than a folder: ``--recall-dir`` takes an
+    optional folder, so one written just before the model swallows it."""
+    from kvlocal.models.registry import KNOWN_MODELS
+
+    return str(text).lower().endswith(".gguf") or str(text) in KNOWN_MODELS
 
 
 def sampler_from_args(args, model=None):

@@ -400,6 +400,9 @@ def test_cli_bad_recall_settings_are_one_line(smollm2, tmp_path):
     assert_usage_error(run_cli(*base, "--recall", "on", "--method", "kvslimmer"), "merged row")
     assert_usage_error(run_cli(*base, "--recall-steps", "-1"), "--recall-steps -1", ">= 0")
     assert_usage_error(run_cli(*base, "--recall-mem", "0"), "--recall-mem 0", "none for no limit")
+    # --recall-dir's folder is optional: written just before the model, it would take the model as its folder
+    assert_usage_error(run_cli("run", "--prompt-file", str(prompt), "-n", "2", "--recall-dir", str(smollm2)),
+                       "--recall-dir took", "give the model before --recall-dir")
 
 
 def test_cli_a_bare_recall_dir_spills_to_the_cache_folder(smollm2, tmp_path):
