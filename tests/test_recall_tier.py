@@ -202,7 +202,7 @@ def test_rows_an_open_turn_needs_are_held_from_the_cap():
 
 
 def test_the_default_cap_is_a_share_of_the_machines_memory():
-    from kvlocal.recall.tier import RECALL_MEM_MAX, RECALL_MEM_SHARE, machine_memory
+    from kvlocal.recall.memory import RECALL_MEM_MAX, RECALL_MEM_SHARE, machine_memory
 
     ram = machine_memory()
     assert default_recall_mem() == (RECALL_MEM_MAX if ram is None else min(ram // RECALL_MEM_SHARE, RECALL_MEM_MAX))
@@ -222,7 +222,7 @@ def test_the_default_cap_is_a_share_of_the_machines_memory():
 def test_ram_chunks_come_from_slabs_no_larger_than_the_cap():
     # chunks are cut from slabs (fewer page faults), each chunk its own bytes; a slab never holds more address space
     # than the cap leaves, and without a cap chunks share a slab
-    from kvlocal.recall.tier import Pool
+    from kvlocal.recall.memory import Pool
 
     size = 1000
     capped = Pool(TierMemory(3 * size + 10))
@@ -241,7 +241,7 @@ def test_ram_chunks_come_from_slabs_no_larger_than_the_cap():
 def test_a_slab_is_mapped_before_its_chunks_are_written():
     # the rows an event stores land in memory mapped when its slab was made (one system call), not page by page as
     # they are first written: the process's resident memory grows by the slab when the first chunk is cut from it
-    from kvlocal.recall.tier import SLAB, Pool
+    from kvlocal.recall.memory import SLAB, Pool
 
     def resident() -> int:
         with open("/proc/self/statm") as f:

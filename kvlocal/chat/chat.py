@@ -43,6 +43,7 @@ from kvlocal.recall import TierMemory, recall_mem_setting
 from kvlocal.runtime import Model, RowRecord, Sampler, cache_type, chat_sampling, runtime_info
 from kvlocal.chat.loops import LOOP_GUARD, LoopGuard
 from kvlocal.chat.session import ChatSession, Transcript
+from kvlocal.chat.texts import full_cache_text, mib_text, rate_text
 from kvlocal.chat.tools import CallFilter, check_tool_choice, check_tools, forced_prefix
 
 Progress = Callable[[int, int], None]
@@ -554,26 +555,6 @@ class Chat:
         self.engine.close()
         self.engine, self.session, self.settings = engine, session, settings
         self._before_turn, self._rollback_before = None, 0
-
-
-def mib_text(n: int) -> str:
-    """Bytes as the status line and the banner print them: whole MiB, one decimal under 10 MiB."""
-    m = n / 2**20
-    return f"{m:,.1f} MiB" if m < 10 else f"{m:,.0f} MiB"
-
-
-def full_cache_text(s: ChatStats) -> str:
-    """What llama.cpp's own cache would take, as the status line and the banner say it: for the chat's context, or
-    for every token seen once they are more."""
-    if s.tokens_seen <= s.ctx_size:
-        return f"llama.cpp's cache at -c {s.ctx_size}: {mib_text(s.kv_bytes_full)}"
-    return f"a full cache for all {s.tokens_seen:,}: {mib_text(s.kv_bytes_full)}"
-
-
-def rate_text(rate: float, digits: int = 0) -> str:
-    """A tokens-per-second rate as the status line and ``/stats`` print it: a dash where none was measured yet
-    (a document read before any reply has generated nothing)."""
-    return f"{rate:,.{digits}f}" if rate else "–"
 
 
 def _new_messages(message) -> list[dict]:

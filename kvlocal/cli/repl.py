@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from kvlocal.chat import Chat
-from kvlocal.chat.chat import full_cache_text, mib_text, rate_text
+from kvlocal.chat.texts import full_cache_text, mib_text, rate_text
 from kvlocal.errors import UsageError
 
 HELP = """\
