@@ -3,7 +3,9 @@
 Compression loss, as in the CriticalKV paper: ``(full − method) / full`` of a task's score, against the
 full F16 cache of the same model, task, seed and context length (undefined where the full cache scores 0).
 For ``continuation`` and ``generation`` the score is greedy agreement with the full cache, so their loss is
-``1 − agreement``; their mean KL(full ‖ method) gets a column of its own ("KL", "gen KL").
+``1 − agreement``; their mean KL(full ‖ method) gets a column of its own ("KL", "gen KL"). For the chat tasks the
+score is the share of turns answered; the cell adds the share confused (answered with another fact's value) and
+the share of replies that loop ("0.50 (0.25) c 0.33 l 0.00").
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from kvlocal.eval.tasks import KL_TASKS
+from kvlocal.eval.tasks import KL_TASKS, REPLY_LOOP
 
 KL_LABELS = {"continuation": "KL", "generation": "gen KL"}  # the summary's columns of the KL_TASKS
 
 COLUMNS = ["model", "model_sha256", "task", "method", "budget", "observation", "seed", "n_tokens", "prompt_tokens",
-           "score", "full_score", "loss", "mean_kl", "kv_bytes_allocated", "kv_bytes_full", "budget_cells", "n_ctx",
-           "compression_events", "prefill_seconds", "compression_seconds", "host_tier_bytes", "recall_seconds",
-           "recall_steps", "recall_steps_confident", "recall_step_seconds", "recall_rows_in", "seconds", "command"]
+           "score", "full_score", "loss", "mean_kl", "confused", "missed", "loops", "kv_bytes_allocated", "kv_bytes_full",
+           "budget_cells", "n_ctx", "compression_events", "prefill_seconds", "compression_seconds", "host_tier_bytes",
+           "recall_seconds", "recall_steps", "recall_steps_confident", "recall_step_seconds", "recall_rows_in", "seconds",
+           "command"]
 
 
 def load(path: Path) -> list[dict]:
@@ -69,10 +72,21 @@ def _fmt(x) -> str:
     return "–" if x is None else f"{x:.2f}"
 
 
+def _cell(r: dict, loss: bool) -> str:
+    """A task's summary cell: the score, the loss in brackets (``loss``), and for a chat task the shares of
+    turns confused (c) and of replies that loop (l)."""
+    text = _fmt(r["score"]) + (f" ({_fmt(r['loss'])})" if loss else "")
+    return text + (f" c {_fmt(r['confused'])} l {_fmt(r['loops'])}" if "confused" in r else "")
+
+
+CHAT_LEGEND = ("c: the share of chat turns answered with another fact's value of the document (confused); "
+               "l: the share of replies that loop (one span of {} tokens {} times in a reply)".format(*REPLY_LOOP))
+
+
 def summary(records: list[dict]) -> str:
     """Markdown: per model, a row per method, budget and observation mode; a column per task (score, and
-    the loss in brackets), the mean loss over tasks, the continuation's and generation's mean KL(full ‖ method)
-    and the KV MiB allocated (largest over tasks)."""
+    the loss in brackets; a chat task's confused and looping shares), the mean loss over tasks, the
+    continuation's and generation's mean KL(full ‖ method) and the KV MiB allocated (largest over tasks)."""
     lines = []
     by_model = defaultdict(list)
     for r in records:
@@ -89,14 +103,13 @@ def summary(records: list[dict]) -> str:
                   "|---|---|---|" + "---|" * len(tasks) + "---|" + "---|" * len(kls) + "---|"]
         for (method, budget, obs), cells in rows.items():
             losses = [c["loss"] for c in cells.values() if c["loss"] is not None]
-            scores = [f"{_fmt(cells[t]['score'])}" + (f" ({_fmt(cells[t]['loss'])})" if method != "full" and t in cells else "")
-                      if t in cells else "" for t in tasks]
+            scores = [_cell(cells[t], method != "full") if t in cells else "" for t in tasks]
             mib = max(c["kv_bytes_allocated"] for c in cells.values()) / 2**20
             kl_cells = "".join(f" {cells[t]['mean_kl']:.3f} |" if t in cells else " |" for t in kls)
             lines.append(f"| {method} | {budget:g} | {obs} | " + " | ".join(scores)
                          + f" | {_fmt(sum(losses) / len(losses)) if losses else '–'} |" + kl_cells
                          + f" {mib:.1f} |")
-        lines.append("")
+        lines += ["", CHAT_LEGEND, ""] if any("confused" in r for r in rs) else [""]
     return "\n".join(lines)
 
 

@@ -1,7 +1,8 @@
 """Methods × budgets × observation modes × tasks × models → one JSON record per run.
 
 A *run* (:class:`Spec`) is one method at one budget and observation mode on every item of one task, for
-one model, context length and seed; its record holds the mean score, each item's reply and score, the
+one model, context length and seed; its record holds the mean score, each item's reply and score (a chat
+task's: each turn's, with the shares of turns confused and missed and of replies that loop), the
 KV bytes llama.cpp allocated, timing, the exact command, the model's sha256 and the seed. Records are
 appended to ``results.jsonl`` as they finish; a run whose key is already there is skipped, so rerunning
 the same command continues where a stopped one left off.
@@ -44,7 +45,8 @@ from kvlocal.compress import MERGING_METHODS, METHODS, VALUE_NORMS, value_norm_r
 from kvlocal.runtime import Sampler
 from kvlocal.chat.session import ChatSession
 from kvlocal.eval.metrics import compare_logits
-from kvlocal.eval.tasks import CHAT_TASKS, GENERATION_TASKS, KL_TASKS, N_GENERATED, Item, Prose, make_items, score
+from kvlocal.eval.tasks import (CHAT_TASKS, GENERATION_TASKS, KL_TASKS, N_GENERATED, Item, Prose, loops, make_items,
+                                score, shares, verdict)
 
 # quantized caches, K alone or K and V: ggml types (8 = q8_0, 2 = q4_0; None = F16). llama.cpp stores a
 # quantized V cache only with flash attention, which the Engine then turns on
@@ -134,7 +136,10 @@ def split_method(name: str) -> tuple[str, tuple[int | None, int | None], bool]:
 QUERY_FREE = ("streaming",)  # methods that never look at the probe: one observation mode, "-"
 OBSERVATIONS = ("question", "agnostic")
 N_FORCED = 64  # continuation: tokens of real text forced after the prompt
-CHAT_ROOM = 256  # multiturn: tokens past the document for the chat template, the questions and the replies
+CHAT_ROOM = 256  # chat tasks: tokens past the document for the chat template, the questions and the replies, at least
+CHAT_OPENING = 64  # the template's opening and system text, the document's request and its 8-token reply
+TURN_TEMPLATE = 16  # a question's turn and its reply's headers, past the question's own tokens
+CHAT_SHARES = ("confused", "missed", "loops")  # a chat task's figures besides its score (share answered)
 
 
 @dataclass(frozen=True)
@@ -251,6 +256,8 @@ class Runner:
                "seconds": time.perf_counter() - t0, "items": results}
         if spec.task in KL_TASKS:
             rec["mean_kl"] = float(np.mean([r["mean_kl"] for r in results]))
+        if spec.task in CHAT_TASKS:
+            rec.update({k: float(np.mean([r[k] for r in results])) for k in CHAT_SHARES})
         return rec
 
     def _run_item(self, spec: Spec, index: int, item: Item) -> tuple[dict, dict]:
@@ -271,10 +278,8 @@ class Runner:
             c = compare_logits(ref, logits)  # KL(full ‖ method) per position, greedy agreement
             result = {"item": item.name, "score": c["top1_agreement"], "mean_kl": c["mean_kl"], "max_kl": c["max_kl"]}
         elif item.kind == "chat":
-            eng = self.engine(spec, len(tokens) + CHAT_ROOM)
-            replies = self._chat(eng, item)
-            result = {"item": item.name, "score": float(np.mean([e in r for r, (_, e) in zip(replies, item.turns)])),
-                      "reply": replies, "expected": item.expected}
+            eng = self.engine(spec, len(tokens) + self.chat_room(item))
+            result = {"item": item.name, **self._score_chat(item, self._chat(eng, item))}
         else:
             eng = self.engine(spec, len(tokens) + item.n_generate)
             eng.read_prompt(tokens, probe)
@@ -283,6 +288,23 @@ class Runner:
         s = eng.stats.as_dict()
         s["prompt_tokens"] = len(tokens)
         return result, s
+
+    def chat_room(self, item: Item) -> int:
+        """Tokens a chat item takes past its document: the opening, then each question with its turn's headers
+        and reply — at least :data:`CHAT_ROOM` (the room ``multiturn``'s records were run with: a ratio budget is
+        a share of the document and this room)."""
+        turns = sum(len(self.model.tokenize(q, add_special=False)) + TURN_TEMPLATE + item.n_generate
+                    for q, _ in item.turns)
+        return max(CHAT_ROOM, CHAT_OPENING + turns)
+
+    def _score_chat(self, item: Item, replies: list[str]) -> dict:
+        """A chat's figures: the share of turns answered (``score``), confused and missed (:func:`verdict`),
+        the share of replies that loop (:func:`loops`, on the reply's tokens), and each turn."""
+        turns = [{"question": q, "expected": e, "reply": r, "verdict": verdict(item, e, r),
+                  "loop": loops(self.model.tokenize(r, add_special=False))} for r, (q, e) in zip(replies, item.turns)]
+        share = shares([t["verdict"] for t in turns])
+        return {"score": share["answered"], "confused": share["confused"], "missed": share["missed"],
+                "loops": float(np.mean([t["loop"] for t in turns])), "turns": turns}
 
     @staticmethod
     def _chat(eng: Engine, item: Item) -> list[str]:

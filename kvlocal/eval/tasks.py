@@ -16,8 +16,9 @@ from __future__ import annotations
 import random
 import re
 import string
+from collections import Counter
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from importlib import resources
 from typing import Callable
 
@@ -47,6 +48,9 @@ class Item:
     n_generate: int = 12
     forced: str = ""  # continuation: the text after the prompt
     turns: list[tuple[str, str]] = field(default_factory=list)  # chat: (question, expected) asked in turn
+    # chat: every fact of the document as (key, value, sentence as inserted), in document order — the values a
+    # reply may give instead of the asked one (:func:`verdict`), and what tools look for in the tokens
+    facts: list[tuple[str, str, str]] = field(default_factory=list)
 
     @property
     def prompt(self) -> str:
@@ -162,7 +166,79 @@ def multiturn(prose: Prose, n_tokens: int, rng: random.Random, n_keys: int = 4, 
     turns = [(f"What is the pass code of the {colors[k]} door? Answer with the number only.", codes[k])
              for k in rng.sample(range(n_keys), n_asked)]
     return [Item("multiturn", f"{n_asked} questions", doc, "", [c for _, c in turns], kind="chat", n_generate=16,
-                 turns=turns)]
+                 turns=turns, facts=[(c, k, f) for c, k, (_, f) in zip(colors, codes, facts)])]
+
+
+def _letters(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(string.ascii_uppercase) for _ in range(n))
+
+
+@dataclass(frozen=True)
+class FactTemplate:
+    """One shape of fact for ``multifact``: a sentence and its question with a ``{key}`` (drawn from ``keys``)
+    and a ``{value}`` (drawn by ``value``; every value of a template has the same length, so none is a
+    substring of another, and at least 4 characters, so a reply holds one only by giving it)."""
+
+    name: str
+    fact: str
+    question: str
+    keys: tuple[str, ...]
+    value: Callable[[random.Random], str]
+
+
+FACT_TEMPLATES = (
+    FactTemplate("order numbers", "The warehouse in {key} holds order number {value}.",
+                 "Which order number does the warehouse in {key} hold? Answer with the order number only.",
+                 ("Lisbon", "Oslo", "Tunis", "Quito", "Dakar", "Perth", "Porto", "Riga", "Lima", "Hanoi", "Cairo",
+                  "Minsk", "Bergen", "Leeds", "Turin", "Kyoto"),
+                 lambda rng: str(rng.randrange(100000, 1000000))),
+    FactTemplate("office extensions", "The office extension of {key} is {value}.",
+                 "What is the office extension of {key}? Answer with the extension only.",
+                 ("Nadia Okafor", "Tomas Lindqvist", "Priya Raman", "Jonas Weber", "Leila Haddad", "Marco Bellini",
+                  "Ingrid Solberg", "Kenji Arai", "Fatima Diallo", "Pavel Novak", "Rosa Medina", "Sean Brennan",
+                  "Mei Chen", "Omar Farouk", "Hanna Virtanen", "Luis Ortega"),
+                 lambda rng: str(rng.randrange(2000, 10000))),
+    FactTemplate("budget codes", "The budget code of Project {key} is {value}.",
+                 "What is the budget code of Project {key}? Answer with the code only.",
+                 ("Heron", "Basalt", "Cobalt", "Juniper", "Falcon", "Granite", "Lantern", "Maple", "Nimbus", "Quartz",
+                  "Saffron", "Tundra", "Willow", "Zephyr", "Atlas", "Ember"),
+                 lambda rng: f"{_letters(rng, 2)}-{rng.randrange(100, 1000)}"),
+    FactTemplate("call signs", "The ship {key} sails under the call sign {value}.",
+                 "What is the call sign of the ship {key}? Answer with the call sign only.",
+                 ("Aurora", "Kestrel", "Meridian", "Halcyon", "Seraphine", "Valkyrie", "Osprey", "Calypso", "Marlin",
+                  "Tempest", "Albatross", "Nautilus", "Orion", "Pelican", "Corsair", "Wren"),
+                 lambda rng: f"{_letters(rng, 2)}{rng.randrange(10)}{_letters(rng, 2)}"),
+)
+
+
+def multifact(prose: Prose, n_tokens: int, rng: random.Random, n_facts: int = 6, task: str = "multifact") -> list[Item]:
+    """One chat, as ``multiturn``'s, over a document of about ``n_tokens`` holding ``n_facts`` facts of ONE
+    template (:data:`FACT_TEMPLATES`: same sentence, other keys and values) spread evenly with jitter; then
+    every fact is asked, in a shuffled order, one a turn. A cache that keeps the facts' shape but mixes up
+    their keys answers with another fact's value (``confused``, :func:`verdict`)."""
+    t = rng.choice(FACT_TEMPLATES)
+    keys = rng.sample(t.keys, n_facts)
+    slot = 0.9 / n_facts  # evenly spaced in [0.05, 0.95], each anywhere in the middle 80% of its slot
+    depths = [0.05 + slot * (i + rng.uniform(0.1, 0.9)) for i in range(n_facts)]
+    stand_in = t.value(random.Random(0))  # a value of the same shape: the facts' tokens, before their values
+    parts = prose.take(n_tokens - sum(prose.count(" " + t.fact.format(key=k, value=stand_in)) for k in keys), rng)
+    values = _distinct_values(t, rng, n_facts, "".join(parts))
+    facts = [(k, v, t.fact.format(key=k, value=v)) for k, v in zip(keys, values)]
+    doc = insert_at(parts, [(d, f) for d, (_, _, f) in zip(depths, facts)])
+    order = rng.sample(range(n_facts), n_facts)
+    turns = [(t.question.format(key=keys[i]), values[i]) for i in order]
+    return [Item(task, f"{n_facts} {t.name}", doc, "", [v for _, v in turns], kind="chat", n_generate=16,
+                 turns=turns, facts=facts)]
+
+
+def _distinct_values(t: FactTemplate, rng: random.Random, n: int, text: str) -> list[str]:
+    """``n`` different values of a template, none already in the text (a year in the prose is no extension)."""
+    values: list[str] = []
+    while len(values) < n:
+        v = t.value(rng)
+        if v not in values and v not in text:
+            values.append(v)
+    return values
 
 
 def _var(rng: random.Random) -> str:
@@ -255,10 +331,12 @@ TASKS: dict[str, Callable[..., list[Item]]] = {
     "continuation": continuation,
     "multiturn": multiturn,
     "generation": generation,
+    "multifact": multifact,
+    "multifact12": partial(multifact, n_facts=12, task="multifact12"),
 }
 GENERATION_TASKS = ("generation",)  # scored as continuation is, forced through the decode loop (the runner)
 KL_TASKS = ("continuation",) + GENERATION_TASKS  # scored against the full cache's distributions (KL, agreement)
-CHAT_TASKS = ("multiturn",)  # asked in a chat session: the turns are the probe (observation "chat")
+CHAT_TASKS = ("multiturn", "multifact", "multifact12")  # asked in a chat session: the turns are the probe ("chat")
 
 
 def make_items(task: str, prose: Prose, n_tokens: int, seed: int) -> list[Item]:
@@ -279,3 +357,33 @@ def score(item: Item, reply: str) -> float:
             n += 1
         return n / len(want)
     raise ValueError(f"item kind {item.kind!r} is not scored from a reply")
+
+
+VERDICTS = ("answered", "confused", "missed")
+
+
+def verdict(item: Item, expected: str, reply: str) -> str:
+    """A chat turn's verdict: ``answered`` (the asked value is in the reply), ``confused`` (it is not, but
+    another fact's value of the same document is: a fact mixed up with one of the same shape), else
+    ``missed``."""
+    if expected in reply:
+        return "answered"
+    return "confused" if any(v in reply for _, v, _ in item.facts if v != expected) else "missed"
+
+
+def shares(verdicts: list[str]) -> dict[str, float]:
+    """The share of each of :data:`VERDICTS` in a chat's turns (they add up to 1)."""
+    return {v: verdicts.count(v) / len(verdicts) for v in VERDICTS}
+
+
+REPLY_LOOP = (3, 3)  # a short reply loops when one span of 3 tokens occurs 3 times in it
+
+
+def loops(tokens: list[int], span: int = REPLY_LOOP[0], times: int = REPLY_LOOP[1]) -> bool:
+    """Whether a short reply (a chat turn's 16 tokens) loops: one span of ``span`` tokens occurs ``times``
+    times in it ("The pass code of the pass code of the pass code of", "4444444"). The chat's
+    :class:`~kvlocal.chat.loops.LoopGuard` needs its window to be one span repeated 4 times or more — 16
+    tokens hold that only for spans of 1-3 tokens, and a compressed cache's loops in a short reply are
+    longer."""
+    grams = Counter(tuple(tokens[i:i + span]) for i in range(len(tokens) - span + 1))
+    return bool(grams) and max(grams.values()) >= times
