@@ -19,9 +19,9 @@
 #   libraries    the ggml-cuda and llama libraries: the ones in .gpu/bin.tar.xz (built elsewhere by cuda_build.sh for
 #                this GPU's architecture); else built here from .gpu/llama.cpp.tar.gz — longer than one command
 #                (BUILD_BUDGET, default 540 s: the later steps are then skipped; run the script again, the build stays)
-#   backend-ops  ggml's test-backend-ops, the attention-bias cases of FLASH_ATTN_EXT (patch 0007), CUDA against the
+#   backend-ops  ggml's test-backend-ops, the attention-bias cases of FLASH_ATTN_EXT (patch 0004), CUDA against the
 #                CPU: each case's status counted; a failure, or a case "not supported" other than ALiBi's (left to
-#                the CPU by patch 0008), fails the step
+#                the CPU by patch 0005), fails the step
 #   setup        kvlocal from this checkout with the pack's Python packages; `kvlocal doctor`
 #   tests        tests/test_native.py and test_native_scale.py on generated models with the cache on the GPU
 #                (KVLOCAL_TEST_NGL=99) and TF32 off
@@ -36,7 +36,7 @@
 #                backend, -ngl 99, against the full cache; ms per event, TTFT, decode tok/s, KV bytes, and backend
 #                transfers per event where the bench reports them
 #   bench-adakv  the same with criticalkv+adakv at half the tokens: its per-head budgets decode through the
-#                attention bias (0008)
+#                attention bias (0005)
 #   frontier     `kvlocal bench --frontier` at CONTEXTS (default 8192): the full F16 cache, q8_0 and q4_0 caches,
 #                criticalkv at 0.1 and on a q8_0 cache
 # Needs: the CUDA runtime and cuBLAS (a CUDA toolkit; nvcc, CMake and a C++ compiler too when it builds), Python 3
@@ -188,7 +188,7 @@ else
 fi
 run_step setup setup
 if [ "${TESTS:-1}" = 1 ]; then  # the tests on generated models (the registry's SmolLM2 cannot be had offline)
-    # then patch 0022's: graphs of any size, the decode's buffer and graph reuse across an event, rows in one copy
+    # then test_native_scale.py's: graphs of any size, the decode's buffer and graph reuse across an event, rows in one copy
     # per tensor, and 16,384 cells at Llama-3-8B's attention shape against numpy
     run_step tests env KVLOCAL_TEST_NGL=99 NVIDIA_TF32_OVERRIDE=0 sh -c '"$0" -m pytest -q -p no:cacheprovider -o addopts="" \
         tests/test_native.py -k "not smollm2 and not refuses_bad_indices and not score_ and not backend_choice and not cli_backend_flag" \

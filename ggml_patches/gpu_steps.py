@@ -39,7 +39,7 @@ HOST_SOURCE = "token_embd.weight"
 
 def backend_ops(log: str) -> int:
     """Count test-backend-ops' attention-bias cases by status; fail on a failed case, on a case not supported that is
-    not ALiBi's (the one combination patch 0008 leaves to the CPU), or on none at all."""
+    not ALiBi's (the one combination patch 0005 leaves to the CPU), or on none at all."""
     counts: dict[str, int] = {}
     unsupported = []
     for line in log.splitlines():

@@ -171,7 +171,7 @@ def test_recall_cost_counts_the_question_and_the_answer_steps(smollm2):
 
 @pytest.mark.slow(50)
 def test_backends_side_by_side_on_a_quantized_cache(smollm2):
-    """`kvlocal bench --cache q8_0`: the full q8_0 cache against the method on it on both backends (patch 0016);
+    """`kvlocal bench --cache q8_0`: the full q8_0 cache against the method on it on both backends (patches 0009, 0010);
     native copies no K/V to the host, state reads the cache out and back at every event."""
     r = run_cli("bench", str(smollm2), "--long", "600", "--decode", "2", "--budget", "100", "--cache", "q8_0",
                 "--backends", "native", "state", "--json")

@@ -1,4 +1,4 @@
-"""The per-head attention bias of the patched llama.cpp (patches 0005, 0006) on the real runtime.
+"""The per-head attention bias of the patched llama.cpp (patches 0003, 0007) on the real runtime.
 
 Every KV cell holds an additive attention logit per KV head: ``log(count)`` for an entry that stands for
 ``count`` merged tokens (its value their mean), ``-inf`` for an entry a head does not use. These tests
@@ -81,7 +81,7 @@ def test_unused_bias_is_bit_identical(model, prompt, fa):
 
 
 def test_only_cells_with_a_bias_are_marked(model, prompt):
-    """Patch 0014: a cell is marked in a layer while some head's bias there is not zero; a removal clears
+    """Patch 0007: a cell is marked in a layer while some head's bias there is not zero; a removal clears
     the freed cells' biases at once (so new tokens land on clean cells and decoding writes nothing), and
     setting zeros unmarks them. Two cells of two layers, checked through llama_memory_bias_cells."""
     cache, _ = prompt
@@ -236,7 +236,7 @@ def test_patched_runtime_matches_stock_bit_for_bit(smollm2, model, prompt, stock
 
 def test_bench_stock_compares_ordinary_inference_with_the_stock_runtime(smollm2, stock_runtime, capsys):
     """tools/bench_stock: `kvlocal run --method full` on both runtimes in alternation. SmolLM2's attn_output
-    is Q4_1, which the CPU does not repack, so patch 0012 changes nothing there: the same greedy text."""
+    is Q4_1, which the CPU does not repack, so patch 0008 changes nothing there: the same greedy text."""
     import sys
     from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""The state backend in place (kvlocal.runtime.hostview, patch 0020): the cells read and written where llama.cpp
+"""The state backend in place (kvlocal.runtime.hostview, patch 0012): the cells read and written where llama.cpp
 keeps them, against the same events through the sequence-state blob, on the real llama.cpp.
 
 A decode is deterministic for a given cache, thread count and cell order: both ways put the plan's rows in cells

@@ -1,7 +1,7 @@
 """A Mac install that cannot fail on the patch series' Metal kernels (ggml_patches/build.py, kvlocal.runtime.buildinfo).
 
 No Mac here: build.py's fallback runs on the real source package and the real patches with the compile step
-simulated (a Metal library that does not compile while 0009's kernels are in the tree, as ggml-metal reports it
+simulated (a Metal library that does not compile while 0006's kernels are in the tree, as ggml-metal reports it
 when it compiles its embedded kernels at load); the record that build leaves in its wheel then drives
 ``kvlocal doctor``'s line and the engine's choice of attention path, with the Metal registry the loaded library
 would list. The engine runs the real llama.cpp on a tiny model: on the soft-max path the cache stores V
@@ -152,8 +152,8 @@ def test_a_build_loads_its_wheel_as_kvlocal_does():
     assert rc == 0 and "CPU :" in log and build.metal_failure(log) is None
 
 
-FALLBACK = MetalBias(metal=True, flash=False, patches="0009", why="0009 did not compile")
-FLASH = MetalBias(metal=True, flash=True, patches="0009")
+FALLBACK = MetalBias(metal=True, flash=False, patches="0006", why="0006 did not compile")
+FLASH = MetalBias(metal=True, flash=True, patches="0006")
 CPU = MetalBias(metal=False, flash=False)
 
 
@@ -168,7 +168,7 @@ def test_flash_attention_rule():
     assert flash_attention(True, None, biased=True, offloaded=False, metal=FALLBACK) is True  # -ngl 0: the CPU's
     assert flash_attention(False, None, biased=True, offloaded=True, metal=FLASH) is False
     assert flash_attention(False, 8, biased=False, offloaded=True, metal=FALLBACK) is True
-    with pytest.raises(UsageError, match=r"quantized V cache needs flash attention.*0009 did not compile.*-ctv f16"):
+    with pytest.raises(UsageError, match=r"quantized V cache needs flash attention.*0006 did not compile.*-ctv f16"):
         flash_attention(False, 8, biased=True, offloaded=True, metal=FALLBACK)
     assert metal_bias_of(METAL_INFO, None, "/x/libllama.dylib").describe().startswith(
         "bias: soft-max fallback (no kvlocal build record beside /x/libllama.dylib")

@@ -98,7 +98,7 @@ def test_gemma3_attention_description(gemma3_model):
 @pytest.mark.parametrize("name", ["smollm2", "qwen", "gemma3"])
 @pytest.mark.parametrize("n_ctx", [768, 1000, 4096])
 def test_kv_bytes_are_measured(request, name, n_ctx):
-    """Context.kv_bytes() reads llama.cpp's K/V buffer sizes (patch 0004); they match the formula kvlocal
+    """Context.kv_bytes() reads llama.cpp's K/V buffer sizes (patch 0002); they match the formula kvlocal
     documents (full-attention cache of n_ctx padded cells, sliding cache of min(n_ctx, n_swa + n_ubatch)),
     and the sliding cache stays bounded while the full one grows."""
     model = request.getfixturevalue(f"{name}_model")
@@ -149,7 +149,7 @@ def test_gemma3_state_round_trip_is_exact(gemma3_model, prose):
     kv = read_seq(ctx)
     assert kv.n == len(toks) - 1 and len(kv.k) == 3 and kv.k[0].shape[1:] == (1, 256)
     assert kv.tail is not None and kv.tail.size > 0
-    cells, pos = ctx.cells()  # patch 0003: the full-attention cache's cells
+    cells, pos = ctx.cells()  # patch 0001: the full-attention cache's cells
     assert np.array_equal(np.sort(pos), np.arange(len(toks) - 1))
     ref = Context(m, n_ctx=1536, n_threads=THREADS)
     ref.decode(toks[:-1], range(len(toks) - 1), "none")

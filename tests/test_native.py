@@ -1,5 +1,5 @@
 """The native KV backend: scoring, compaction and the recall tier's rows on the cache's own device
-(patches 0010, 0011, 0013).
+(patches 0009, 0010, 0011).
 
 In the spirit of llama.cpp's ``test-backend-ops``, each new operation runs on the real runtime against an
 independent implementation on the host: ``llama_kv_compact`` against the rows the state backend reads
@@ -96,7 +96,7 @@ def test_compact_moves_each_heads_rows_on_the_device(tiny, fa, cache):
                 assert np.array_equal(got[kept], was[s[kept]]), (name, il, h)  # bit-exact moves
                 assert np.array_equal(got[~kept], was[np.flatnonzero(~kept)]), (name, il, h)
         assert np.array_equal(ctx.bias(model.arch.full_layers[il]), bias[il])
-    # marked: the kept cells where some head's bias is not zero (the freed cells were cleared: patch 0014)
+    # marked: the kept cells where some head's bias is not zero (the freed cells were cleared: patches 0007, 0009)
     assert ctx.bias_cells() == int((bias != 0).any(axis=1).sum())
     if not model.arch.has_swa:  # (Gemma 3's sliding cache still ends at 299: the engine moves both, not this test)
         assert np.isfinite(ctx.decode([5], [1000 + b], "last")).all()
@@ -104,7 +104,7 @@ def test_compact_moves_each_heads_rows_on_the_device(tiny, fa, cache):
 
 @FA
 def test_compact_gives_a_sequence_free_cells(tiny, fa):
-    """Patch 0018: more slots than the sequence holds take the lowest free cells (here the hole's, then the
+    """Patch 0009: more slots than the sequence holds take the lowest free cells (here the hole's, then the
     unused tail's), in index order with its own, so slot j is its j-th cell; their rows come by ``set_rows``."""
     model = Model(tiny["llama"], n_gpu_layers=NGL)
     ctx = filled_context(model, fa)
@@ -167,7 +167,7 @@ def scoring_setup(model: Model, fa: bool, seed: int, type_kv: int | None = None)
 def test_score_matches_numpy_on_the_same_rows(smollm2_model, fa, chunk, monkeypatch):
     """Window attention (with a log(count) and a -inf bias) and projected value norms (W_O Q4_1,
     dequantized on the device by get_rows) against numpy_kernels on the rows read through the state; the
-    value norms in one piece and in chunks of 3 cells (patch 0015: a chunk of an 8B model's is 512 cells)."""
+    value norms in one piece and in chunks of 3 cells (patch 0010: a chunk of an 8B model's is 512 cells)."""
     if chunk:
         monkeypatch.setenv("LLAMA_KVLOCAL_SCORE_CHUNK", chunk)
     model = smollm2_model
@@ -188,7 +188,7 @@ def test_score_matches_numpy_on_the_same_rows(smollm2_model, fa, chunk, monkeypa
 
 
 def test_score_computes_l2_value_norms(smollm2_model):
-    """``norm_p=2`` (patch 0019): the device's L2 norms through W_O equal numpy's, and the host's through W_O's
+    """``norm_p=2`` (patch 0010): the device's L2 norms through W_O equal numpy's, and the host's through W_O's
     d x d factor (:func:`~kvlocal.compress.criticalkv.l2_factor`, what the state backend computes); they are not
     the L1 norms (the check can fail)."""
     model = smollm2_model
@@ -370,7 +370,7 @@ def run_engine(model, backend, method, tokens, budget, n_gen=24, **kw):
 def test_native_and_state_keep_identical_sets_on_tiny_f32_models(tiny, arch):
     """The same plans and replies on both backends where they compute the same arithmetic: CriticalKV's L1 value
     norms (the paper's; the engine's default is L2, so L1 is named) through W_O on both. Its L2 norms are computed
-    through W_O on the device and through its d x d factor on the host (patch 0019,
+    through W_O on the device and through its d x d factor on the host (patch 0010,
     :func:`~kvlocal.compress.criticalkv.l2_factor`): equal up to float rounding, so a near-tie may go the other way (3 of 300 slots once, on gemma3 with head budgets): at least
     98% of the slots the same there."""
     model = Model(tiny[arch], n_gpu_layers=NGL)
@@ -385,7 +385,7 @@ def test_native_and_state_keep_identical_sets_on_tiny_f32_models(tiny, arch):
         native, r_native = run_engine(model, "native", method, tokens, cells, **kw)
         state, r_state = run_engine(model, "state", method, tokens, cells, **kw)
         assert native.backend == "native" and state.backend == "state"
-        # the state backend reads and moves the cells where they lie only where the cache is host memory (patch 0020:
+        # the state backend reads and moves the cells where they lie only where the cache is host memory (patch 0012:
         # -2 for a GPU's buffers, KVLOCAL_TEST_NGL=99 in ggml_patches/gpu_check.sh), through the state blob elsewhere
         assert state.kv.in_place == (NGL == 0), (arch, NGL)
         assert native.stats.compression_events == state.stats.compression_events > native.prefill_events > 2, method
@@ -436,7 +436,7 @@ def assert_same_merges(a, b, atol: float) -> None:
 def test_native_and_state_merge_and_keep_alike_on_tiny_f32_models(tiny, arch, method):
     """The methods that read K/V themselves run on the native backend too: the rows they read are copied from
     the device (a merge after CriticalKV only the rows CriticalKV kept), merged rows are summed on the device
-    (patch 0021) and move with the other kept rows. Against the state backend: the same
+    (patch 0013) and move with the other kept rows. Against the state backend: the same
     plans (kept rows, merges, key weights), the same reply, every cell's rows within 1e-3 at the end, and fewer
     bytes copied (the state backend reads and writes back the whole cache at every event). Every method on the tiny
     Llama; merges in Gemma 3's full-attention cache (an iSWA memory) and on Qwen3, one method each."""

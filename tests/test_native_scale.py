@@ -1,11 +1,12 @@
-"""The native backend at the sizes its users run (patch 0022): kvlocal's graphs of any size, on a scheduler of their
-own, and rows that cross in one copy per tensor.
+"""The native backend at the sizes its users run: kvlocal's graphs of any size, on a scheduler of their own
+(patches 0009, 0010, 0013), and rows that cross in one copy per tensor (patch 0011).
 
-Before 0022 the score, merge and compaction graphs ran on the context's own scheduler, whose hash set is sized for
-the decode's graph (1,024 slots on a small model, ~4K at Llama-3-8B's shape): a score over many cells in value-norm
-chunks, or a merge of more than ~13 members, ended the process in ``ggml_backend_sched_alloc_graph``'s assert. Here
-such graphs run and give what the one-chunk graph and numpy give; the decode's compute buffer and its graph reuse
-are left alone by an event; ``llama_kv_rows_get/set`` make the same number of copies for 10 rows as for 500.
+Before kvlocal's graphs had a scheduler of their own, the score, merge and compaction graphs ran on the context's,
+whose hash set is sized for the decode's graph (1,024 slots on a small model, ~4K at Llama-3-8B's shape): a score
+over many cells in value-norm chunks, or a merge of more than ~13 members, ended the process in
+``ggml_backend_sched_alloc_graph``'s assert. Here such graphs run and give what the one-chunk graph and numpy give;
+the decode's compute buffer and its graph reuse are left alone by an event; ``llama_kv_rows_get/set`` make the same
+number of copies for 10 rows as for 500.
 Then the whole path at Llama-3-8B's attention shape (d 4096, 32 query heads, 8 KV heads, head size 128; two layers
 of a random-weight file from ``ggml_patches/random_gguf.py``): 16,384 cells scored, merged in groups of 40 and
 compacted to a tenth, against numpy.
@@ -64,7 +65,8 @@ def chunk_env(monkeypatch):
 
 def test_a_score_of_many_chunks_fits(tiny_llama, chunk_env):
     """One-cell value-norm chunks over every cell: ~17 nodes a chunk, ~9K in all, nine times what the decode's
-    scheduler holds for this model (the process aborted here before patch 0022). The scores are those of one chunk."""
+    scheduler holds for this model (the process aborted here when the graph ran on the decode's scheduler). The
+    scores are those of one chunk."""
     ctx = prose_context(tiny_llama)
     n_layer = len(tiny_llama.arch.full_layers)
     q, cells = window(tiny_llama, n_layer, 8, 0), np.arange(len(ctx.cells()[0]))

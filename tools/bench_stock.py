@@ -3,7 +3,7 @@
     python -m tools.bench_stock gemma3-270m --q4_0 smollm2-135m     # Q4_K attn_output, and a Q4_0 copy
     python -m tools.bench_stock MODEL ... --rounds 5 --tokens 2000 --decode 64 -t 2
 
-Patch 0012 keeps every model's ``attn_output`` out of the CPU's repacked (interleaved) weight buffers, which
+Patch 0008 keeps every model's ``attn_output`` out of the CPU's repacked (interleaved) weight buffers, which
 serve Q4_0, Q4_K and IQ4_NL matrices to faster GEMM kernels, so the patched runtime may be slower on those
 types even with no compression at all. Each round runs ``kvlocal run MODEL --method full`` (the same prompt,
 greedy) once on each runtime, in alternation, in fresh processes; the table gives the median prefill and

@@ -9,7 +9,8 @@ what llama.cpp reserved for the decode's graph (its own log line, "compute buffe
 patched one's ``llama_kvlocal_get_counters`` too). The patched runtime then runs an event on ``--cells`` cells of
 random rows — value norms of every cell, merges of 40 members, a compaction to a tenth — decodes a token and says the
 decode's buffer again, with the largest buffers kvlocal's graphs took on their own scheduler (given back after each).
-Before patch 0022 those graphs ran on the decode's scheduler, whose buffers then stayed at the larger of the two.
+Had those graphs run on the decode's scheduler, as before they had one of their own, its buffers would have stayed at
+the larger of the two.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
     print(f"{'decode compute buffer, patched, at creation (counters)':58}{before['compute_bytes'] / MIB:10.1f} MiB")
     print(f"{'decode compute buffer, patched, after the event':58}{after['compute_bytes'] / MIB:10.1f} MiB")
     print(f"{'largest buffers of a kvlocal graph (own scheduler, freed)':58}{after['kv_compute_peak'] / MIB:10.1f} MiB")
-    print(f"{'  the decode buffer after an event before patch 0022':58}"
+    print(f"{'  the decode buffer had they run on its scheduler':58}"
           f"{max(before['compute_bytes'], after['kv_compute_peak']) / MIB:10.1f} MiB  (the larger of the two)")
     return 0
 

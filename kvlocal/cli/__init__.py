@@ -36,7 +36,7 @@ def cmd_doctor(args) -> int:
             rows.append(("", "stock llama.cpp: eviction works; per-cell features need `python ggml_patches/build.py`"))
         rows.append(("native", "compression on the cache's device (--backend native): every method"
                      if has_native_compression() else
-                     "not available (patches 0010-0013): compression reads K/V to the host (--backend state)"))
+                     "not available (patches 0009-0011): compression reads K/V to the host (--backend state)"))
         rows.append(("metal", metal_bias().describe()))
     except UsageError as e:
         rows.append(("runtime", f"NOT AVAILABLE: {e}"))

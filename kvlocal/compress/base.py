@@ -416,7 +416,7 @@ class Scorer:
 
     @property
     def needs_bias(self) -> bool:
-        """Its plans need llama.cpp's per-head attention bias (patch 0006): merged slots (``log(count)``)
+        """Its plans need llama.cpp's per-head attention bias (patch 0007): merged slots (``log(count)``)
         or heads that keep different numbers of rows (``-inf`` for the surplus slots)."""
         return self._parts_have("needs_bias")
 

@@ -128,7 +128,7 @@ class Engine(Reselection, Observing):
         resolve_backend(backend, type_k, type_v, recall=recall)  # a refusal before the model loads
         if method in BIAS_METHODS and not has_attention_bias():
             raise UsageError(f"--method {method} needs kvlocal's patched llama.cpp (a per-head attention bias, "
-                             f"patch 0006); this runtime is stock: run `python ggml_patches/build.py`")
+                             f"patch 0007); this runtime is stock: run `python ggml_patches/build.py`")
         self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
         made = time.perf_counter()  # (the engine's own setup, the model loaded)
         m = self.model

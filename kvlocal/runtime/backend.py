@@ -246,11 +246,11 @@ def resolve_backend(backend: str, type_k: int | None = None, type_v: int | None 
         return "state"
     why = None
     if recall and not has_native_recall():
-        why = "this llama.cpp copies no rows between the device and the recall tier (patch 0013): run `python ggml_patches/build.py`"
+        why = "this llama.cpp copies no rows between the device and the recall tier (patch 0011): run `python ggml_patches/build.py`"
     elif head_dims and any(t not in (None, *FLOAT_TYPES) and row_bytes(t, d) % 4 for t, d in zip((type_k, type_v), head_dims)):
         why = f"a quantized row of {min(head_dims)} dimensions is one block, which the device cannot move as bytes"
     elif not has_native_compression():
-        why = "this llama.cpp has no on-device compression (patches 0010-0011): run `python ggml_patches/build.py`"
+        why = "this llama.cpp has no on-device compression (patches 0009-0010): run `python ggml_patches/build.py`"
     if why is None:
         return "native" if backend == "native" or (offloaded and runtime_info().gpu_offload) else "state"
     if backend == "native":

@@ -1,9 +1,9 @@
 """The native KV backend: the patched llama.cpp scores the cells and moves the kept rows on the device
-that holds the cache (``llama_kv_score``, ``llama_kv_compact``: patches 0010-0011). The device computes
+that holds the cache (``llama_kv_score``, ``llama_kv_compact``: patches 0009-0010). The device computes
 each query head's window attention over the cells and the value norms of the rows not scored before; the
 host scorers choose from those; only queries, positions, biases, scores and indices cross.
 
-With a recall tier (patch 0013) only the rows that move cross: an event copies the rows it evicts to the
+With a recall tier (patches 0010-0011) only the rows that move cross: an event copies the rows it evicts to the
 host (``llama_kv_rows_get``), and a question scores the tier's candidate rows on the host *inside the
 device's softmax* — their logsumexp goes to ``llama_kv_score`` as one more logit per query, which returns
 that logit's share, so device cells and host rows get the attention of one softmax over both — and
@@ -12,7 +12,7 @@ writes only the candidates the plan keeps into their slots (``llama_kv_rows_set`
 A scorer that reads K/V itself asks for the rows it reads (:class:`~kvlocal.compress.base.RowSource`), and
 those cross: a merge after CriticalKV the rows CriticalKV kept; KVSlimmer alone and DefensiveKV (a maximum
 over the window, where the device gives the mean) every row. The scorers choose merges on the host; the merged
-rows are summed on the device (``llama_kv_merge``, patch 0021), so none is written back from the host."""
+rows are summed on the device (``llama_kv_merge``, patch 0013), so none is written back from the host."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The state KV backend: the scorers work on sequence 0's K/V rows on the host and the plan's rows are
-written back. Where the cache lies in host memory (the CPU's) and the runtime says where (patch 0020), the
+written back. Where the cache lies in host memory (the CPU's) and the runtime says where (patch 0012), the
 rows are read and written in place (:class:`~kvlocal.runtime.hostview.HostView`); elsewhere they cross as
 llama.cpp's sequence state (:mod:`kvlocal.runtime.state`), which any llama.cpp build has. Every method,
 merging and quantized caches included."""

@@ -1,7 +1,7 @@
 """llama.cpp's K/V cache read and written where it lies: the state backend's events without a state blob.
 
 On the CPU (and wherever a backend's buffers are host memory) the cache's K and V tensors are ordinary
-memory. The patched runtime says where (``llama_kv_host_view``, patch 0020), and :class:`HostView` lays numpy
+memory. The patched runtime says where (``llama_kv_host_view``, patch 0012), and :class:`HostView` lays numpy
 arrays over it, per compressed layer. An event then reads the cells as views (no copy; a transposed V,
 flash attention off, is turned into rows in scratch memory) and puts the plan's rows into the first cells: a
 prompt's events move each head's kept rows forward where they lie (:meth:`HostView.compact`, kernels/cpu/compact.c:
@@ -51,7 +51,7 @@ class HostView:
     @classmethod
     def open(cls, ctx, n_layer: int, n_head_kv: int, head_dims: tuple[int, int]) -> "HostView | None":
         """The view of ``ctx``'s cache (its ``n_layer`` compressed layers), or None where there is none: a runtime
-        without patch 0020, a cache off the host (a GPU's), a BF16 cache, a quantized row of one block (a head of 32
+        without patch 0012, a cache off the host (a GPU's), a BF16 cache, a quantized row of one block (a head of 32
         dimensions)."""
         fn = patch_functions()["host_view"]
         k_type = GGML_TYPE_F16 if ctx.type_k is None else ctx.type_k

@@ -153,21 +153,21 @@ def patch_functions():
 
 @functools.lru_cache(maxsize=None)
 def has_attention_bias() -> bool:
-    """Whether the runtime's KV cells carry the per-head attention bias (patch 0006): its state blobs then
+    """Whether the runtime's KV cells carry the per-head attention bias (patch 0007): its state blobs then
     have a bias section, and merging and head-budget methods can run."""
     return patch_functions()["set_bias"] is not None
 
 
 @functools.lru_cache(maxsize=None)
 def has_native_compression() -> bool:
-    """Whether the runtime scores and compacts KV cells on their device (patches 0010-0011): the engine's
+    """Whether the runtime scores and compacts KV cells on their device (patches 0009-0010): the engine's
     ``native`` backend."""
     fns = patch_functions()
     return fns["compact"] is not None and fns["score"] is not None
 
 
 def has_native_recall() -> bool:
-    """Whether the runtime copies chosen K/V rows between the device and the host (patch 0013): the native
+    """Whether the runtime copies chosen K/V rows between the device and the host (patch 0011): the native
     backend's recall tier."""
     fns = patch_functions()
     return fns["rows_get"] is not None and fns["rows_set"] is not None

@@ -313,18 +313,18 @@ class Context:
 
     def bias_cells(self) -> int:
         """(layer, cell) pairs of the cache that may hold a non-zero bias (``llama_memory_bias_cells``, patch
-        0014): only these are ever cleared, and at 0 the graphs leave the bias out."""
+        0007): only these are ever cleared, and at 0 the graphs leave the bias out."""
         return int(self._bias_fn("bias_cells")(self._mem))
 
     def compact(self, src: np.ndarray, pos: np.ndarray, bias: np.ndarray | None = None) -> None:
-        """Rewrite the cells of sequence 0 on their device (``llama_kv_compact``, patch 0010): afterwards it
+        """Rewrite the cells of sequence 0 on their device (``llama_kv_compact``, patch 0009): afterwards it
         holds ``B = len(pos)`` cells, the first ``B`` of :meth:`cells`, and in compressed layer ``l`` and KV
         head ``h`` cell ``j`` holds the row cell ``src[l, h, j]`` held (an index into :meth:`cells` order,
         ``-1``: left as is), at position ``pos[j]``; ``bias`` ``[n_layer, Hkv, B]`` the new attention bias
         (None: 0). No K/V row leaves the device. Raises ValueError if llama.cpp refuses."""
         fn = patch_functions()["compact"]
         if fn is None:
-            raise UsageError("on-device compaction needs kvlocal's patched llama.cpp (patch 0010): run `python ggml_patches/build.py`")
+            raise UsageError("on-device compaction needs kvlocal's patched llama.cpp (patch 0009): run `python ggml_patches/build.py`")
         src = np.ascontiguousarray(src, dtype=np.int32)
         pos = np.ascontiguousarray(pos, dtype=np.int32)
         b = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
@@ -339,7 +339,7 @@ class Context:
 
     def score(self, q: np.ndarray, scale: float, bias: np.ndarray | None = None,
               vnorm_cells: np.ndarray | None = None, outside: np.ndarray | None = None, norm_p: int = 1):
-        """Score the cells of sequence 0 on their device (``llama_kv_score``, patches 0011, 0013, 0019).
+        """Score the cells of sequence 0 on their device (``llama_kv_score``, patch 0010).
 
         ``q``: ``[n_layer, Hq, w, d]`` float32 window queries after RoPE, as the model computed them (a quantized
         cache's rotated basis is applied on the device) (the compressed layers), logits
@@ -351,7 +351,7 @@ class Context:
         over with them; then a third result, each query's softmax weight of it ``[n_layer, Hq, w]``."""
         fn = patch_functions()["score"]
         if fn is None:
-            raise UsageError("on-device scoring needs kvlocal's patched llama.cpp (patch 0011): run `python ggml_patches/build.py`")
+            raise UsageError("on-device scoring needs kvlocal's patched llama.cpp (patch 0010): run `python ggml_patches/build.py`")
         q = np.ascontiguousarray(q, dtype=np.float32)
         n_layer, hq, w, _ = q.shape
         n = len(self.cells()[0])
@@ -379,7 +379,7 @@ class Context:
     def get_rows(self, l: int, cells: np.ndarray, heads: np.ndarray, row_k: int, row_v: int) -> tuple[np.ndarray, np.ndarray]:
         """The K and V rows of KV head ``heads[i]`` in cell ``cells[i]`` (an index into :meth:`cells` order) of
         compressed layer ``l``, as the cache stores them: uint8 ``[n, row_k]`` and ``[n, row_v]`` (``llama_kv_rows_get``,
-        patch 0013). Only these rows leave the device."""
+        patch 0011). Only these rows leave the device."""
         cells, heads = _index(cells), _index(heads)
         k = np.empty((len(cells), row_k), np.uint8)
         v = np.empty((len(cells), row_v), np.uint8)
@@ -387,11 +387,11 @@ class Context:
         return k, v
 
     def set_rows(self, l: int, cells: np.ndarray, heads: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """Write rows as :meth:`get_rows` returns them into the cells (``llama_kv_rows_set``, patch 0013)."""
+        """Write rows as :meth:`get_rows` returns them into the cells (``llama_kv_rows_set``, patch 0011)."""
         self._rows("rows_set", l, _index(cells), _index(heads), np.ascontiguousarray(k, np.uint8), np.ascontiguousarray(v, np.uint8))
 
     def merge(self, n_merge: np.ndarray, cells: np.ndarray, heads: np.ndarray, wk: np.ndarray, wv: np.ndarray) -> None:
-        """Merge rows of the compressed layers on their device in one graph (``llama_kv_merge``, patch 0021):
+        """Merge rows of the compressed layers on their device in one graph (``llama_kv_merge``, patch 0013):
         ``n_merge[l]`` merges of layer ``l``, listed layer after layer; merge ``i``'s row of KV head ``heads[i]`` in
         cell ``cells[i, -1]`` becomes ``Σ_g wk[i, g] K(cells[i, g])`` and ``Σ_g wv[i, g] V(cells[i, g])`` (``cells``
         ``[N, G]`` indices into :meth:`cells` order, ``-1``: padding), summed in float32 and stored in the cache's
@@ -403,7 +403,7 @@ class Context:
             raise ValueError(f"merge: n_merge {n_merge.sum()}, cells {cells.shape}, heads {heads.shape}, wk {wk.shape}, "
                              f"wv {wv.shape} do not match")
         i32, f32 = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float)
-        rc = self._patch_fn("merge", "0021")(self._ptr, 0, n_merge.ctypes.data_as(i32), max(cells.shape[1], 1),
+        rc = self._patch_fn("merge", "0013")(self._ptr, 0, n_merge.ctypes.data_as(i32), max(cells.shape[1], 1),
                                              cells.ctypes.data_as(i32), heads.ctypes.data_as(i32), wk.ctypes.data_as(f32),
                                              wv.ctypes.data_as(f32))
         if rc != len(cells):
@@ -414,7 +414,7 @@ class Context:
         if len(cells) != len(heads) or len(k) != len(cells) or len(v) != len(cells):
             raise ValueError(f"{name}: {len(cells)} cells, {len(heads)} heads, {len(k)} K rows, {len(v)} V rows")
         i32 = ctypes.POINTER(ctypes.c_int32)
-        rc = self._patch_fn(name, "0013")(self._ptr, 0, l, len(cells), cells.ctypes.data_as(i32), heads.ctypes.data_as(i32),
+        rc = self._patch_fn(name, "0011")(self._ptr, 0, l, len(cells), cells.ctypes.data_as(i32), heads.ctypes.data_as(i32),
                                           k.ctypes.data, k.shape[1], v.ctypes.data, v.shape[1])
         if rc != len(cells):
             why = "the graph failed" if rc == -3 else "a cell, head or row size that does not match the cache"
@@ -476,7 +476,7 @@ def kv_cache_bytes(model: Model, n_ctx: int, n_ubatch: int = 512, bytes_per_elem
 
 
 N_UBATCH = 512  # kvlocal's contexts: n_ubatch = min(n_batch, 512)
-BIAS_BYTES = 4  # the patched cache's F32 attention bias per cell and KV head (patch 0006)
+BIAS_BYTES = 4  # the patched cache's F32 attention bias per cell and KV head (patch 0007)
 
 
 def pad_cells(n: int) -> int:

@@ -353,7 +353,7 @@ def build_blob(kv: SeqKV, pos: np.ndarray | None = None, bias: bool = True,
     write the patched runtime's attention-bias section (``kv.bias`` must be None without it). ``alloc(nbytes)``:
     the uint8 buffer to build it in (default: a new one; a sliding-window tail is always appended to a new one)."""
     if kv.bias is not None and not bias:
-        raise UsageError("an attention bias (merged or head-budgeted cells) needs kvlocal's patched llama.cpp (patch 0006)")
+        raise UsageError("an attention bias (merged or head-budgeted cells) needs kvlocal's patched llama.cpp (patch 0007)")
     pos = np.asarray(kv.pos if pos is None else pos, dtype=np.int32)
     n = pos.shape[0]
     n_layer = len(kv.k)

@@ -5,7 +5,7 @@ sequence into a host buffer, kvlocal parses it into numpy arrays (:class:`SeqKV`
 ``llama_state_seq_set_data`` loads an edited copy back. Eviction and per-KV-head rearrangement (a cell
 may hold head 0's row of one token and head 1's row of another) are expressed by the arrays alone.
 
-Blob layout of llama.cpp 0c1e57098 with kvlocal's patches (``LLAMA_STATE_SEQ_VERSION 4``: patch 0006 adds
+Blob layout of llama.cpp 0c1e57098 with kvlocal's patches (``LLAMA_STATE_SEQ_VERSION 4``: patch 0007 adds
 the per-head attention bias) for a plain ``llama_kv_cache``, all integers little-endian, no padding
 (src/llama-context.cpp ``state_seq_get_data``, src/llama-kv-cache.cpp ``state_write`` /
 ``state_write_meta`` / ``state_write_data``)::
