@@ -115,9 +115,6 @@ class LayerInputs:
         ``[min(d, D), Hq*d]`` float32: ``wo``'s factor for L2 value norms
         (:func:`kvlocal.compress.criticalkv.l2_factor`), where an engine keeps it: CriticalKV with
         ``value_norm="l2"`` reads it in place of ``wo``, which may then be None (the same norms).
-    keep : np.ndarray, optional
-        ``[Hkv, n]`` bool: rows the engine protects at this event besides the sinks and the window (the text
-        around what a question attends to most, :mod:`kvlocal.recall.spans`). Scored ``+inf`` like them.
     """
 
     k: np.ndarray
@@ -135,7 +132,6 @@ class LayerInputs:
     groups: np.ndarray | None = None
     rows: "RowSource | None" = None
     wo_l2: np.ndarray | None = None
-    keep: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.pos = np.asarray(self.pos, dtype=np.int64)
@@ -231,10 +227,8 @@ class LayerInputs:
         return (pos >= int(np.min(q_pos))) & self.live
 
     def protected(self, q_pos: np.ndarray | None = None) -> np.ndarray:
-        """``[Hkv, n]`` True for the live cells no method may evict: sinks, the window (:meth:`window_mask`) and
-        :attr:`keep`."""
-        kept = ((self.pos_h < self.n_sink) & self.live) | self.window_mask(q_pos)
-        return kept if self.keep is None else kept | (self.keep & self.live)
+        """``[Hkv, n]`` True for the live cells no method may evict: sinks and the window (:meth:`window_mask`)."""
+        return ((self.pos_h < self.n_sink) & self.live) | self.window_mask(q_pos)
 
     def take(self, cells: np.ndarray) -> "LayerInputs":
         """These inputs restricted to the rows ``cells`` ``[Hkv, m]`` of each head (``-1``: an empty row).
@@ -265,10 +259,9 @@ class LayerInputs:
             bias = np.zeros(cells.shape, np.float32) if self.bias is None else self.bias[heads, idx]
             bias = np.where(filled, bias, -np.inf).astype(np.float32)
         groups = None if self.groups is None else np.where(filled, self.groups[heads, idx], -1)
-        keep = None if self.keep is None else filled & self.keep[heads, idx]
         return dataclasses.replace(
             self, **{"k": rows(self.k), "v": rows(self.v), **fetched}, pos=np.where(filled, self.pos_h[heads, idx], EMPTY),
-            bias=bias, votes=votes, groups=groups, keep=keep,
+            bias=bias, votes=votes, groups=groups,
             vnorm=None if self.vnorm is None else np.where(filled, self.vnorm[heads, idx], np.nan).astype(np.float32))
 
     def loaded(self) -> "LayerInputs":

@@ -77,11 +77,9 @@ def fused_keep(snap: SnapKV, layer: LayerInputs, budget: int, critical=None) -> 
     """``snap.keep`` (or ``critical.keep``, CriticalKV over ``snap``) in one kernel call
     (:func:`kvlocal.compress.kernels.attention_keep`: the same steps, the same kept cells), or None where the
     numpy scorers must run: the generic build (:func:`~kvlocal.compress.base.native_scoring`), grouped rows,
-    inputs the scorers refuse (their error), rows that stay on the device without votes, rows the engine keeps
-    (:attr:`~kvlocal.compress.base.LayerInputs.keep`: the kernel protects only the sinks and the window)."""
+    inputs the scorers refuse (their error), rows that stay on the device without votes."""
     grouped = layer.groups is not None and (layer.groups >= 0).any()
-    kept = layer.keep is not None and layer.keep.any()
-    if (not FUSED or type(snap) is not SnapKV or not native_scoring() or layer.q is None or grouped or kept
+    if (not FUSED or type(snap) is not SnapKV or not native_scoring() or layer.q is None or grouped
             or (layer.k is None and layer.votes is None)
             or (critical is not None and not critical.has_norm_weights(layer) and layer.v is not None)):
         return None

@@ -67,7 +67,6 @@ from kvlocal.engine.reselect import Reselection
 from kvlocal.engine.undo import TurnMark, after_apply, before_apply, before_reposition, open_mark, release, undo
 from kvlocal.errors import UsageError
 from kvlocal.recall import HostTier, TierMemory, evicted, store_evicted, tier_figures
-from kvlocal.recall.spans import SPANS, keeping
 from kvlocal.runtime import (CacheBasis, CacheLost, CacheRead, Context, Model, QueryCapture, Sampler, bytes_per_value,
                              flash_attention, has_attention_bias, kv_cache_bytes, make_backend, output_projections,
                              pad_cells, resolve_backend, row_format)
@@ -196,10 +195,6 @@ class Engine(Reselection, Observing):
         if recall_room < 0:
             raise UsageError(f"recall_room {recall_room} must be >= 0 (0: a re-selection keeps the budget's rows)")
         self.recall_room = int(recall_room)  # cells a re-selection leaves for the answer
-        # a question's spans: the text around the places it attends to most, in every head (kvlocal.recall.spans;
-        # 0 turns them off), and their positions, protected until the answer's first compression
-        self.recall_spans = SPANS
-        self._spans: np.ndarray | None = None
         self._answering = False  # the tokens generated now answer a question that re-selected the cache
         self._held: tuple[list[np.ndarray], np.ndarray] | None = None  # the queries of kept steps, for the next swap
         self.tier = HostTier(len(self.layers), m.n_head_kv, row_format(type_k, m.arch.head_dim_k),
@@ -304,7 +299,6 @@ class Engine(Reselection, Observing):
         """Add a later turn to the compressed cache (the history is never decoded again). ``recall``: the
         turn is a question — with a recall tier, the cache is re-selected for it first (:meth:`recall`),
         so that its own tokens already attend to what came back. ``reselect_after``: as :meth:`prefill`'s."""
-        self._spans = None
         if recall:
             self.recall(probe if probe is not None else tokens, pending=len(tokens))
         logits = self.prefill(tokens, probe, progress, reselect_after=reselect_after)
@@ -546,21 +540,16 @@ class Engine(Reselection, Observing):
         for name, dt in (("observe", t1 - t0), ("read", t2 - t1), ("score", t3 - t2), ("apply", t4 - t3)):
             s.compression_breakdown[name] = s.compression_breakdown.get(name, 0.0) + dt
 
-    def _plan(self, read: CacheRead, q: list[np.ndarray], q_pos: np.ndarray, head_budget: int | None = None,
-              keep: np.ndarray | None = None) -> Plan:
+    def _plan(self, read: CacheRead, q: list[np.ndarray], q_pos: np.ndarray, head_budget: int | None = None) -> Plan:
         """The scorer's plan for the cells of ``read``, observed by the queries ``q`` at ``q_pos`` (each head keeps
-        ``head_budget`` rows, the budget's by default; the rows at the positions ``keep`` in every head)."""
-        inputs = keeping(self._inputs(read, q, q_pos), keep)
+        ``head_budget`` rows, the budget's by default)."""
+        inputs = self.kv.layer_inputs(read, [qi * self._q_scale for qi in q], q_pos,
+                                      n_sink=max(self.cfg.n_sink, self.stats.kv_cells_pinned),
+                                      recent=self.cfg.recent, window_size=observation_window(self.scorer))
         plan = plan_layers(self.scorer, inputs, head_budget or self.head_budget,
                            workers=min(self.ctx.n_threads, PLAN_WORKERS))
         self.last_plan = plan
         return plan
-
-    def _inputs(self, read: CacheRead, q: list[np.ndarray], q_pos: np.ndarray):
-        """The scorers' :class:`~kvlocal.compress.LayerInputs` for the cells of ``read`` and the queries ``q``."""
-        return self.kv.layer_inputs(read, [qi * self._q_scale for qi in q], q_pos,
-                                    n_sink=max(self.cfg.n_sink, self.stats.kv_cells_pinned),
-                                    recent=self.cfg.recent, window_size=observation_window(self.scorer))
 
     def _apply(self, read: CacheRead, plan: Plan) -> None:
         """Write ``plan`` into the cache; with a tier, the device rows it drops go there (room for them is made

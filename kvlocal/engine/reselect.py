@@ -13,7 +13,6 @@ from kvlocal.compress import observation_window
 from kvlocal.engine.config import step_keeps
 from kvlocal.engine.observation import joined
 from kvlocal.recall import choose_candidates, with_candidates
-from kvlocal.recall.spans import attention_by_position, span_positions, with_span_rows
 
 
 class Reselection:
@@ -32,7 +31,7 @@ class Reselection:
         probe = self._probe_tokens(probe)
         q, q_pos = self._observe(probe)[:2]
         self.observations.keep_prompt(probe, q, q_pos)  # the question's queries: for its answer's decode-time events
-        moved = self._reselect(q, q_pos, self.recall_candidates, pending, question=True)
+        moved = self._reselect(q, q_pos, self.recall_candidates, pending)
         self.stats.recall_events += 1
         self.stats.recall_seconds += time.perf_counter() - t0
         return moved
@@ -64,41 +63,26 @@ class Reselection:
         self.stats.recall_step_seconds += time.perf_counter() - t0
         return False
 
-    def _reselect(self, q: list[np.ndarray], q_pos: np.ndarray, candidates: float, pending: int = 0,
-                  question: bool = False) -> int:
+    def _reselect(self, q: list[np.ndarray], q_pos: np.ndarray, candidates: float, pending: int = 0) -> int:
         """Score the device cells and the tier's best candidates (``candidates`` × the head budget of rows) for
         the observation ``q`` at ``q_pos`` together, and swap; returns the rows brought back. Each head keeps the
         rows the context has room for while the answer is written (:meth:`_recall_width`), ``pending``: tokens
-        of the turn still to come. A ``question`` also brings back its spans in every head (:meth:`_question_spans`),
-        which the answer's steps keep."""
+        of the turn still to come."""
         w = observation_window(self.scorer) or len(q_pos)
         cands = choose_candidates(self.tier, [self.basis.queries(qi[:, -w:] * self._q_scale) for qi in q],
                                   max(1, int(candidates * self.head_budget)))
         if cands.width == 0:
             return 0
         before = self.tier.rows_in
-        width = self._recall_width(pending)
-        if question and self.recall_spans:
-            self._spans = self._question_spans(cands, q, q_pos, width)
-            cands = with_span_rows(self.tier, cands, self._spans)
         union, values = with_candidates(self._read(), self.tier, cands, self.kv, self.recall_span)
-        plan = self._plan(union, q, q_pos, width, keep=self._spans)
+        width = self._recall_width(pending)
+        plan = self._plan(union, q, q_pos, width)
         values(plan)  # the values of the tier rows it keeps
         self._apply(union, plan)
         if width > self.head_budget:  # the turn's tokens go in with no compression: its answer reads these rows
             self._settled = self.last_plan.n_slots + pending
         self.stats.recall_candidates += cands.n_rows
         return self.tier.rows_in - before
-
-    def _question_spans(self, cands, q: list[np.ndarray], q_pos: np.ndarray, width: int) -> np.ndarray:
-        """The positions of a question's spans (:mod:`kvlocal.recall.spans`): around the places its attention to the
-        tier's candidates, summed over every layer and head, is largest — at most half of a head's rows while the
-        answer is written."""
-        union, _ = with_candidates(self._read(), self.tier, cands, self.kv, self.recall_span)
-        attention = attention_by_position(self._inputs(union, q, q_pos), observation_window(self.scorer), self.n_past,
-                                          only=union.tier_ids >= 0)
-        return span_positions(attention, max(self.cfg.n_sink, self.stats.kv_cells_pinned), self.recall_spans,
-                              limit=width // 2)
 
     def _recall_width(self, pending: int) -> int:
         """A re-selection's head budget. The context holds the budget plus the headroom that prefill chunks fill;
