@@ -5,6 +5,7 @@ summary's cells, and one real run on SmolLM2."""
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 
@@ -101,6 +102,19 @@ def test_summary_shows_confused_and_loops_for_chat_tasks_only():
     assert "c: the share" not in summary(with_loss([_record("full", 1.0, "needle", 1.0)]))
 
 
+def test_summary_of_several_seeds_gives_each_cell_the_mean_over_them():
+    """One results file may hold several seeds' runs (one ``kvlocal eval --seed`` each): a cell is their mean, not
+    the last one read, and the heading names the seeds."""
+    records = with_loss([
+        _record("full", 1.0, "multifact", 1.0, confused=0.0, missed=0.0, loops=0.0),
+        _record("criticalkv", 0.1, "multifact", 0.5, confused=0.5, missed=0.0, loops=0.0),
+        {**_record("full", 1.0, "multifact", 1.0, confused=0.0, missed=0.0, loops=0.0), "seed": 2},
+        {**_record("criticalkv", 0.1, "multifact", 1.0, confused=0.0, missed=0.0, loops=0.0), "seed": 2}])
+    text = summary(records)
+    assert "the mean over seeds 1, 2" in text
+    assert "| criticalkv | 0.1 | chat | 0.75 (0.25) c 0.25 l 0.00 |" in text
+
+
 def test_multifact12_runs_only_when_named():
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -127,3 +141,25 @@ def test_a_real_multifact_run_records_every_turn_and_its_shares(smollm2):
     assert item["score"] == sum(t["verdict"] == "answered" for t in item["turns"]) / 6 == rec["score"]
     assert item["confused"] == sum(t["verdict"] == "confused" for t in item["turns"]) / 6
     assert rec["prompt_tokens"] >= 0.97 * 1024 and rec["compression_events"] == 0
+
+
+@pytest.mark.slow(45)
+def test_recall_binding_compares_the_full_caches_attention_with_what_recall_holds(qwen):
+    """tools/recall_binding (docs/recall.md § Where the binding is lost) runs the multi-fact chat on the full cache and
+    with recall, question by question. What it measures must hold by construction of the two runs: the query that
+    predicts the reply's first token is the same token at the same position in both, so in layer 0 (the token's
+    embedding, no attention before it) the two queries are one vector; the retrieval heads are the ones that give the
+    asked value the most, so their mass on it is at least the mean head's; every share is a share."""
+    from tools import recall_binding as rb
+
+    args = argparse.Namespace(model=str(qwen), task="multifact", tokens=1024, budget=0.1, method="criticalkv+recall",
+                              seed=5, heads=4, threads=2, questions=3)
+    turns = rb.run(args)
+    assert turns, "the full cache answered none of the first three questions"
+    for turn, fact, facts, _ in turns:
+        assert rb.query_cosines(turn)[0] > 0.9999
+        assert turn.full[..., 0].max() >= turn.full[..., 0].mean()
+        figures = rb.figures(turn, fact, 4)
+        shares = [v for k, v in figures.items() if ("held" in k or "candidates" in k) and not math.isnan(v)]
+        assert shares and all(0 <= v <= 1 for v in shares)
+        assert rb.verdict(turn.reply, fact, facts) in ("answered", "confused", "missed")

@@ -93,11 +93,14 @@ def summary(records: list[dict]) -> str:
         by_model[r["model"]].append(r)
     for model, rs in by_model.items():
         tasks = list(dict.fromkeys(r["task"] for r in rs))
-        rows = defaultdict(dict)
+        runs = defaultdict(lambda: defaultdict(list))
         for r in rs:
-            rows[(r["method"], r["budget"], r["observation"])][r["task"]] = r
+            runs[(r["method"], r["budget"], r["observation"])][r["task"]].append(r)
+        rows = {k: {t: over_seeds(v) for t, v in cells.items()} for k, cells in runs.items()}
         kls = [t for t in KL_TASKS if t in tasks]
-        lines += [f"**{model}** ({rs[0]['model_file']}, ~{max(r['prompt_tokens'] for r in rs)} tokens, seed {rs[0]['seed']}):", "",
+        seeds = sorted({r["seed"] for r in rs})
+        lines += [f"**{model}** ({rs[0]['model_file']}, ~{max(r['prompt_tokens'] for r in rs)} tokens, "
+                  f"{'seed' if len(seeds) == 1 else 'the mean over seeds'} {', '.join(map(str, seeds))}):", "",
                   "| method | budget | observation | " + " | ".join(tasks) + " | mean loss |"
                   + "".join(f" {KL_LABELS[t]} |" for t in kls) + " KV MiB |",
                   "|---|---|---|" + "---|" * len(tasks) + "---|" + "---|" * len(kls) + "---|"]
@@ -111,6 +114,18 @@ def summary(records: list[dict]) -> str:
                          + f" {mib:.1f} |")
         lines += ["", CHAT_LEGEND, ""] if any("confused" in r for r in rs) else [""]
     return "\n".join(lines)
+
+
+def over_seeds(runs: list[dict]) -> dict:
+    """One run's figures for a summary cell from the runs of several seeds: the means of its scores, loss, shares
+    and KL (the mean over seeds of a chat's shares is the share over all its turns: every seed asks as many), the
+    largest KV bytes."""
+    out = dict(runs[-1])
+    for k in ("score", "loss", "mean_kl", "confused", "missed", "loops"):
+        if k in out:
+            out[k] = _mean(r.get(k) for r in runs)
+    out["kv_bytes_allocated"] = max(r["kv_bytes_allocated"] for r in runs)
+    return out
 
 
 def _mean(xs) -> float | None:
