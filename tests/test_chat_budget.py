@@ -9,10 +9,6 @@ the most recent tokens, is the control: it must lose the fact, so the test can f
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import pytest
 
 from kvlocal.engine import Engine

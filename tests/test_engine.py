@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # llama.cpp and torch each bring an OpenMP runtime
 
 import numpy as np
 import pytest

@@ -46,13 +46,10 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # llama.cpp and torch each bring an OpenMP runtime
 
 import numpy as np
 import pytest

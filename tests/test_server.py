@@ -425,6 +425,42 @@ def test_conversations_survive_a_restart(smollm2, tmp_path):
         server.stop()
 
 
+def test_a_restart_with_other_settings_reads_saved_conversations_afresh(smollm2_model, tmp_path, capsys):
+    """--session-dir, the worker restarted with another cache setting (--recall, --backend, --low-water,
+    --pin-system: settings the by-hand comparison once left out): a saved conversation is not continued under
+    settings its cache was not made with — it is read afresh, with one warning naming the setting. Restarted
+    with its own settings, the same file is restored (so the refusals above are the settings', not the file's)."""
+    from kvlocal.runtime import Sampler
+    from kvlocal.server.sessions import SessionDir
+    from kvlocal.server.worker import Job, Worker
+
+    folder = tmp_path / "sessions"
+    folder.mkdir()
+    server = dict(budget="256", method="criticalkv", ctx_size=0, chunk=128, recent=32, cache_type_k="f16",
+                  cache_type_v="f16", n_threads=1)  # as `kvlocal serve` gives them; the rest: Chat's defaults
+
+    def reply(messages, **changed):
+        """The Result of one request on a newly started worker over ``folder`` (a restart)."""
+        worker = Worker(smollm2_model, MODEL, chat_options={**server, **changed}, defaults={},
+                        sessions=SessionDir(folder, 1 << 30))
+        try:
+            return worker.submit(Job(messages, Sampler(), max_tokens=4)).result(timeout=WAIT)
+        finally:
+            worker.close()
+
+    first = reply(GERMANY)
+    follow = GERMANY + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And of France?"}]
+    capsys.readouterr()
+    for name, value in [("recall", False), ("backend", "state"), ("low_water", 0.5), ("pin_system", False)]:
+        r = reply(follow, **{name: value})
+        warnings = [ln for ln in capsys.readouterr().err.splitlines() if "saved with other settings" in ln]
+        assert (r.mode, r.kv["cache_from"]) == ("new", "read"), f"restored under another {name}"
+        assert len(warnings) == 1 and name in warnings[0], warnings
+    r = reply(follow)
+    assert (r.mode, r.kv["cache_from"]) == ("restored", "session_dir")
+    assert "saved with other settings" not in capsys.readouterr().err
+
+
 def test_a_full_disk_while_saving_is_a_warning(smollm2, tmp_path):
     """A session file that cannot be written (a file-size limit stands in for a full disk): a warning, no
     partial file left, the reply sent and the server serving on."""

@@ -75,6 +75,17 @@ class ChatSettings:
     prefill_observe: str = PREFILL_OBSERVE  # a reading's events before its last: the "probe" decoded, or the "window"
     loop_guard: int = LOOP_GUARD  # a reply ends once its last loop_guard tokens repeat one span (0: off)
 
+    @classmethod
+    def of(cls, **keywords) -> "ChatSettings":
+        """The settings a Chat made with these keywords (its own, named as the fields; the rest at their defaults)
+        keeps: the budget as its canonical text, cache types in lower case, ``recall_mem`` as
+        :func:`kvlocal.recall.recall_mem_setting` gives it, ``recall_dir`` a str. One place for the forms, so that
+        a chat's settings and those it is compared with (``kvlocal serve --session-dir``) are written alike."""
+        s = {**{f.name: f.default for f in dataclasses.fields(cls)}, **keywords}
+        return cls(**{**s, "budget": str(Budget.parse(s["budget"])), "cache_type_k": s["cache_type_k"].lower(),
+                      "cache_type_v": s["cache_type_v"].lower(), "recall_mem": recall_mem_setting(s["recall_mem"]),
+                      "recall_dir": None if s["recall_dir"] is None else os.fspath(s["recall_dir"])})
+
 
 @dataclass(frozen=True)
 class ChatStats:
@@ -143,15 +154,16 @@ class Chat:
         check_prefill_observe(prefill_observe)
         # a TierMemory: a cap shared with other chats (a server's conversations); the settings keep its limit
         self._recall_memory = recall_mem if isinstance(recall_mem, TierMemory) else None
-        recall_mem = recall_mem_setting(recall_mem)
         try:
             LoopGuard(loop_guard)
         except ValueError as e:
             raise UsageError(f"loop_guard {e}") from None
-        settings = ChatSettings(str(Budget.parse(budget)), method, ctx_size, chunk, recent, flash_attn, system, max_reply,
-                                cache_type_k.lower(), cache_type_v.lower(), backend, recall, recall_mem,
-                                None if recall_dir is None else os.fspath(recall_dir), pin_system, observe_every,
-                                recall_steps, value_norm, low_water, prefill_observe, loop_guard)
+        settings = ChatSettings.of(
+            budget=budget, method=method, ctx_size=ctx_size, chunk=chunk, recent=recent, flash_attn=flash_attn,
+            system=system, max_reply=max_reply, cache_type_k=cache_type_k, cache_type_v=cache_type_v, backend=backend,
+            recall=recall, recall_mem=recall_mem, recall_dir=recall_dir, pin_system=pin_system,
+            observe_every=observe_every, recall_steps=recall_steps, value_norm=value_norm, low_water=low_water,
+            prefill_observe=prefill_observe, loop_guard=loop_guard)
         if isinstance(model, Model):
             self.model, self._own_model = model, False
         else:

@@ -41,8 +41,9 @@ class SessionDir:
             return
         self._trim(keep=target)
 
-    def load(self, key: tuple, model, settings_match, **kw):
-        """The chat saved under ``key``, or None (no file, or one that cannot be used: warned and left)."""
+    def load(self, key: tuple, model, other_settings, **kw):
+        """The chat saved under ``key``, or None (no file, or one that cannot be used: warned and left).
+        ``other_settings(chat.settings)``: how the saved settings differ from the server's (empty: none)."""
         from kvlocal.chat import Chat
         from kvlocal.errors import UsageError
 
@@ -54,9 +55,11 @@ class SessionDir:
         except (UsageError, OSError, ValueError, KeyError) as e:
             self._warn(f"skipped {path.name} in the session folder ({e})")
             return None
-        if not settings_match(chat.settings):
+        differ = other_settings(chat.settings)
+        if differ:
             chat.close()
-            self._warn(f"skipped {path.name}: it was saved with other settings (budget, method, ...)")
+            self._warn(f"skipped {path.name}: it was saved with other settings ({', '.join(differ)}), "
+                       f"so that conversation is read afresh")
             return None
         os.utime(path)  # recently used: the last to go
         return chat

@@ -5,12 +5,14 @@ a :class:`Job` and gets a :class:`Result` back through a future."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvlocal.chat import ChatSettings
 from kvlocal.chat.stops import until_stop
 from kvlocal.chat.tools import message_key, turn_start
 from kvlocal.errors import UsageError
@@ -20,6 +22,16 @@ from kvlocal.server.sessions import SessionDir
 
 DEFAULT_CACHE_MIB = 1024
 DEFAULT_CACHE_CHATS = 32
+
+# The fields of ChatSettings a conversation restored from --session-dir need not share with the server, and why.
+# Every other field made its saved cache or steers how it goes on (what is evicted, recalled, pinned, how replies
+# end): a saved chat that differs in one is read afresh rather than go on under settings the server was not given.
+NOT_COMPARED = {
+    "system": "part of the transcript the file is named by: the same name, the same system message",
+    "max_reply": "every request gives the chat its own max_tokens",
+    "recall_mem": "the server's own cap (--recall-mem) replaces the saved one when the file is loaded",
+}
+_COMPARED = tuple(f.name for f in dataclasses.fields(ChatSettings) if f.name not in NOT_COMPARED)
 
 
 class _ShuttingDown(Exception):
@@ -165,20 +177,19 @@ class Worker:
             if chat is not None:
                 return chat, "regen"
             if self.sessions is not None:
-                chat = self.sessions.load(head, self.model, lambda st: self._same_settings(st, job.options),
+                chat = self.sessions.load(head, self.model, lambda saved: self._other_settings(saved, job.options),
                                           n_threads=self.chat_options.get("n_threads"), recall_mem=self.recall_memory)
                 if chat is not None:
                     return chat, "restored"
         return self.new_chat(job.system, job.options, job.tools), "new"
 
-    def _same_settings(self, s, options: dict) -> bool:
-        """Whether a saved chat's settings are this server's with a request's ``options`` (what its cache depends on)."""
-        from kvlocal.engine import Budget
-
-        o = {**self.chat_options, **options}
-        return (s.budget == str(Budget.parse(o["budget"])) and s.method == o["method"] and s.ctx_size == o["ctx_size"]
-                and s.chunk == o["chunk"] and s.recent == o["recent"] and s.cache_type_k == o["cache_type_k"].lower()
-                and s.cache_type_v == o["cache_type_v"].lower())
+    def _other_settings(self, saved, options: dict) -> list[str]:
+        """How a saved chat's settings differ from this server's with a request's ``options``, one ``name saved →
+        here`` each, over every field of ChatSettings but :data:`NOT_COMPARED`; empty: it may go on here."""
+        keywords = {**self.chat_options, **options}
+        here = ChatSettings.of(**{f: keywords[f] for f in _COMPARED if f in keywords})
+        return [f"{f} {getattr(saved, f)!r} → {getattr(here, f)!r}" for f in _COMPARED
+                if getattr(saved, f) != getattr(here, f)]
 
     def _generate(self, job: Job) -> Result:
         t0 = time.perf_counter()

@@ -7,15 +7,13 @@ The tests run llama.cpp for real (no mocks). The real models are the suite's own
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch and ggml start OpenMP; see verify.run
-from policy import need  # noqa: E402
+from policy import need
 
 torch = need("torch")  # the reference is PyTorch: skip locally, fail under CI
 

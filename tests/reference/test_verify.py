@@ -18,6 +18,14 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args([str(a) for a in argv])
 
 
+@pytest.fixture(autouse=True)
+def passive_openmp(monkeypatch):
+    """``verify.run`` asks for OMP_WAIT_POLICY=PASSIVE (torch's OpenMP beside ggml's, docs/verify.md): given for the
+    test alone, so that it does not stay in this worker's environment for the CLI children started after it
+    (PASSIVE decodes 2.2-2.7x slower, docs/engine.md)."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def _run(*argv) -> int:
     return verify.run(_args(*argv, "--threads", 1))  # see conftest: one thread on a busy machine
 
