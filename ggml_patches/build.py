@@ -46,8 +46,20 @@ PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"
 SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-# what the build leaves out: multimodal (llava/mtmd), tests, examples, tools, server
-BASE_CMAKE = ["-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+# what the build leaves out: multimodal (llava/mtmd), tests, examples, tools, server; what it adds: ggml's RPC
+# backend (layers and their KV cache on other machines' rpc-servers, docs/distributed.md)
+BASE_CMAKE = ["-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=OFF",
+              "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_RPC=ON"]
+# llama.cpp's rpc-server, built against the wheel's own ggml and installed beside its libraries (llama_cpp/lib,
+# RPATH $ORIGIN), where `kvlocal rpc-server` finds it: the tools are off (each would be built), so its directory is
+# added alone, after llama-cpp-python's CMakeLists has defined the install function
+RPC_SERVER_CMAKE = """
+# [kvlocal] llama.cpp's rpc-server from this tree, beside the libraries it links (ggml_patches/build.py)
+if (LLAMA_BUILD AND GGML_RPC AND NOT EMSCRIPTEN AND NOT TARGET ggml-rpc-server)
+    add_subdirectory(vendor/llama.cpp/tools/rpc ${CMAKE_BINARY_DIR}/kvlocal-rpc-server)
+    llama_cpp_python_install_target(ggml-rpc-server)
+endif()
+"""
 
 HERE = Path(__file__).resolve().parent
 RECORD = "kvlocal_build.json"  # in llama-cpp-python's package, beside lib/ (kvlocal.runtime.buildinfo reads it)
@@ -110,6 +122,7 @@ def build_key(cmake_args: list[str], stock: bool = False) -> str:
         h.update(p.name.encode() + p.read_bytes())
     h.update(" ".join(cmake_args).encode())
     h.update(f"{sys.version_info[0]}.{sys.version_info[1]}".encode())
+    h.update(RPC_SERVER_CMAKE.encode())
     return h.hexdigest()[:16]
 
 
@@ -123,6 +136,12 @@ def metal_only(patch: Path) -> bool:
 def metal_failure(log: str) -> str | None:
     """The first line of a build's or a load's output where ggml-metal reports an error, else None."""
     return next((line.strip()[:300] for line in log.splitlines() if METAL_NAME.search(line) and ERROR.search(line)), None)
+
+
+def add_rpc_server(tree: Path) -> None:
+    """Have llama-cpp-python's build make llama.cpp's rpc-server too (only with GGML_RPC on)."""
+    with open(tree / "CMakeLists.txt", "a") as f:
+        f.write(RPC_SERVER_CMAKE)
 
 
 def write_record(tree: Path, series: list[Path], left_out: dict[str, str]) -> None:
@@ -226,6 +245,7 @@ def build_once(sdist: Path, series: list[Path], left_out: dict[str, str], cmake_
             tar.extractall(tmp, filter="data")
         tree = Path(tmp) / f"llama_cpp_python-{VERSION}"
         apply_patches(tree, [p for p in series if p.name not in left_out])
+        add_rpc_server(tree)
         write_record(tree, series, left_out)
         env = dict(os.environ, CMAKE_ARGS=" ".join(cmake_args), CMAKE_BUILD_PARALLEL_LEVEL=str(jobs))
         step(f"compiling llama.cpp ({' '.join(cmake_args)}); this takes several minutes")

@@ -98,11 +98,11 @@ def sched(model_path: str, n_gpu_layers: int) -> int:
         return 2
     from kvlocal.eval.tasks import sample_text
     from kvlocal.runtime import Context, Model
-    from kvlocal.runtime.library import llama_lib
+    from kvlocal.runtime.library import local_gpu
 
     log = SchedLog()
     model = Model(model_path, n_gpu_layers=n_gpu_layers)
-    device = "GPU" if llama_lib().llama_supports_gpu_offload() and n_gpu_layers else "CPU"
+    device = "GPU" if local_gpu() and n_gpu_layers else "CPU"  # (an RPC build "supports offload" with no GPU)
     ctx = Context(model, n_ctx=1024, n_batch=512, flash_attn=True)
     tokens = (model.tokenize(sample_text()) * 4)[:600]
     ctx.decode(tokens, range(len(tokens)), "none")

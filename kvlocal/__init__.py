@@ -4,7 +4,7 @@ The llama.cpp runtime is loaded on first use (``kvlocal.runtime``); ``kvlocal.ru
 says whether it is kvlocal's patched build or a stock one.
 """
 
-__version__ = "0.1.0"
+from kvlocal.version import __version__
 
 
 def __getattr__(name):  # kvlocal.Chat without loading llama.cpp on `import kvlocal`

@@ -18,12 +18,13 @@ does not do (grammars, JSON mode, log probabilities, mirostat, ``functions``) ra
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import uuid
 from typing import Iterator
 
-from kvlocal.chat.loops import LOOP_GUARD
+from kvlocal.engine.loops import LOOP_GUARD
 from kvlocal.chat.stops import until_stop
 from kvlocal.errors import UsageError
 
@@ -31,20 +32,25 @@ from kvlocal.errors import UsageError
 class Llama:
     def __init__(self, model_path: str | os.PathLike, *, n_ctx: int = 0, n_gpu_layers: int = 0,
                  n_threads: int | None = None, flash_attn: bool = False, verbose: bool = True,
+                 rpc_servers: str | None = None, tensor_split=None,
                  budget: str | float | int = 0.1, method: str = "criticalkv", recall: bool | None = None,
                  loop_guard: int = LOOP_GUARD, **ignored):
         """``model_path``, ``n_ctx`` (0: the model's trained context; a ratio budget is a share of it),
-        ``n_gpu_layers``, ``n_threads``, ``flash_attn`` as llama-cpp-python's; ``budget``, ``method``, ``recall``,
+        ``n_gpu_layers``, ``n_threads``, ``flash_attn``, ``rpc_servers`` (``"host:port,..."``), ``tensor_split`` as
+        llama-cpp-python's; ``budget``, ``method``, ``recall``,
         ``loop_guard`` as :class:`kvlocal.Chat`'s (a reply the loop guard ends has ``finish_reason: "loop"``).
         Other llama-cpp-python arguments (``n_batch``, ``seed``, ...) are accepted and have no effect."""
         from kvlocal.models import resolve
-        from kvlocal.runtime import Model
+        from kvlocal.settings import ChatSettings, RuntimeSettings
 
+        # llama-cpp-python's names as kvlocal's settings, checked before the model loads
+        self._settings = ChatSettings(budget=budget, method=method, ctx_size=n_ctx, flash_attn=flash_attn,
+                                      recall=recall, loop_guard=loop_guard)
+        self._runtime = RuntimeSettings(n_gpu_layers=n_gpu_layers, n_threads=n_threads, rpc=rpc_servers or (),
+                                        tensor_split=tensor_split)
         self.model_path = str(resolve(os.fspath(model_path)))
-        self.model = Model(self.model_path, n_gpu_layers=n_gpu_layers)
+        self.model = self._runtime.load(self.model_path)
         self.verbose = verbose
-        self._options = dict(budget=budget, method=method, ctx_size=n_ctx, n_threads=n_threads, flash_attn=flash_attn,
-                             recall=recall, loop_guard=loop_guard)
         self._chat = None
 
     def close(self) -> None:
@@ -159,7 +165,8 @@ class Llama:
             c.close()
             self._chat = None
         system = history[0]["content"] if history and history[0]["role"] == "system" else None
-        chat = Chat(self.model, system=system, tools=tools, **self._options)
+        chat = Chat(self.model, settings=dataclasses.replace(self._settings, system=system), tools=tools,
+                    runtime=self._runtime)
         rest = [m for m in history if m["role"] != "system"]
         if rest:
             chat.extend(rest)

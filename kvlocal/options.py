@@ -18,67 +18,17 @@ def add_model_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_llama_args(p: argparse.ArgumentParser) -> None:
-    """Flags named as in llama.cpp's own tools."""
-    p.add_argument("-c", "--ctx-size", type=int, default=0,
-                   help="the tokens a ratio budget is sized from (default 0: the model's trained context); `run` "
-                        "refuses a longer prompt, a chat goes on past it in the same cells")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
-                   help="layers to offload to the GPU (default 0; -1: all, as in llama-cpp-python)")
-    p.add_argument("-fa", "--flash-attn", action="store_true", help="use flash attention (off by default: slower for CPU decode)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: cores, at most 8)")
-    types = "f16, q8_0, q4_0, q4_1, q5_0, q5_1, bf16, f32"
-    p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE",
-                   help=f"KV cache type for K ({types}; default f16): compression runs on it, evicting quantized rows as they are")
-    p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE",
-                   help="KV cache type for V (default f16; a quantized V turns flash attention on, as llama.cpp needs)")
+    """Flags named as in llama.cpp's own tools: the settings of the ``llama`` section (:mod:`kvlocal.settings`)."""
+    from kvlocal.settings import add_setting_args
+
+    add_setting_args(p, "llama")
 
 
 def add_budget_args(p: argparse.ArgumentParser) -> None:
-    from kvlocal.compress import METHODS, VALUE_NORMS
-    from kvlocal.engine.config import LOW_WATER, OBSERVE_EVERY, PREFILL_OBSERVATIONS, PREFILL_OBSERVE, RECALL_STEPS
-    from kvlocal.recall import default_recall_mem, default_spill_dir
+    """The cache's flags: the settings of the ``budget`` section (:mod:`kvlocal.settings`)."""
+    from kvlocal.settings import add_setting_args
 
-    p.add_argument("--budget", default="0.1",
-                   help="KV budget: a ratio in (0, 1] of the context (-c; `run`: of the prompt and -n) (default 0.1), "
-                        "or a cell count like 2048")
-    p.add_argument("--method", default="criticalkv", help=f"{', '.join(METHODS)} (default criticalkv; docs/algorithms.md)")
-    p.add_argument("--chunk", type=int, default=128,
-                   help="least prefill chunk in tokens: n_ctx = budget + chunk + recent, padded by llama.cpp (default 128)")
-    p.add_argument("--recent", "--window", type=int, default=32, dest="recent",
-                   help="the protected recent span: the newest tokens always kept, and the probe's length (default 32; "
-                        "--window is its old name)")
-    p.add_argument("--observe-every", type=int, default=OBSERVE_EVERY, metavar="N",
-                   help="prefill compression events one decode of the probe scores; between decodes its queries are "
-                        "moved to the new positions by RoPE (default %(default)s; docs/engine.md)")
-    p.add_argument("--prefill-observe", default=PREFILL_OBSERVE, choices=PREFILL_OBSERVATIONS,
-                   help="how a prompt's compression events before its last are scored: probe = the probe's queries "
-                        "(the question's, or a generic probe's; decoded once in --observe-every events), window = the "
-                        "queries of the chunk's own last tokens, no decode: cheaper, and it finds fewer facts "
-                        "(default %(default)s; docs/engine.md)")
-    p.add_argument("--low-water", type=float, default=None, metavar="F",
-                   help=f"the share of the budget a prompt's compression events leave before its last one: fewer, "
-                        f"larger events in the same memory (default {LOW_WATER} with the recall tier, which keeps what "
-                        f"they drop, 1 without; 1: every event leaves the whole budget; docs/engine.md)")
-    p.add_argument("--backend", default="auto", choices=("auto", "native", "state"),
-                   help="where compression runs: native = on the device that holds the cache (patched llama.cpp; "
-                        "only the rows a method reads itself cross), state = K/V read to the host and back; "
-                        "default auto: native when the model is offloaded to a GPU (-ngl), else state")
-    p.add_argument("--recall", default="auto", choices=("on", "off", "auto"),
-                   help="the recall tier: rows evicted from the KV cache wait in host memory, and each new question "
-                        "brings back the ones it needs (default auto: on for the eviction methods, off for merging)")
-    p.add_argument("--recall-mem", metavar="SIZE", default=None,
-                   help=f"host RAM the recall tier may use (e.g. 2G; none: no cap; `serve`: one cap for all its "
-                        f"conversations); past it the oldest evicted rows are dropped, or with --recall-dir go to a file "
-                        f"(default: 1/8 of the memory, at most 4G: {default_recall_mem() / 2**30:.1f}G here)")
-    p.add_argument("--recall-dir", metavar="DIR", nargs="?", const=default_spill_dir(), default=None,
-                   help="past --recall-mem, the recall tier's rows go to a memory-mapped file in DIR instead of the "
-                        "oldest being dropped (DIR left out: %(const)s)")
-    p.add_argument("--recall-steps", metavar="N", type=int, default=RECALL_STEPS,
-                   help="the first N tokens of each answer re-select the cache too, each with its own query "
-                        "(default %(default)s; 0: only the question does; docs/recall.md)")
-    p.add_argument("--value-norm", choices=list(VALUE_NORMS), default=None,
-                   help="the norm of CriticalKV's projected values, |v·W_O|: l2 (the default: computed exactly at "
-                        "d/D of the work) or l1 (the paper's; equal quality measured: docs/engine.md)")
+    add_setting_args(p, "budget")
 
 
 # the sampling flags, llama.cpp's: (flag, type, what it does, its "off" value), in Sampler's parameters' order
@@ -95,7 +45,6 @@ def add_sampling_args(p: argparse.ArgumentParser, interactive: bool = False) -> 
     are reproducible."""
     import dataclasses
 
-    from kvlocal.chat.loops import LOOP_GUARD
     from kvlocal.runtime import CHAT_SAMPLING, SAMPLING_PARAMS, Sampler
 
     greedy = {f.name: f.default for f in dataclasses.fields(Sampler)}
@@ -108,19 +57,16 @@ def add_sampling_args(p: argparse.ArgumentParser, interactive: bool = False) -> 
     g.add_argument("--seed", type=int, default=-1, help="sampling seed: the same seed, the same replies "
                                                         "(default -1: random)")
     if interactive:
-        g.add_argument("--loop-guard", type=int, default=LOOP_GUARD, metavar="N",
-                       help=f"end a reply once its last N tokens are one span repeated over and over "
-                            f"(default {LOOP_GUARD}; 0: off)")
+        from kvlocal.settings import add_setting_args
+
+        add_setting_args(g, names=("loop_guard",))
 
 
 def check_loop_guard(args) -> None:
-    """UsageError, naming the fix, for a ``--loop-guard`` the guard cannot take."""
-    from kvlocal.chat.loops import LoopGuard
+    """SettingError, naming the fix, for a ``--loop-guard`` the guard cannot take."""
+    from kvlocal.settings import ChatSettings
 
-    try:
-        LoopGuard(args.loop_guard)
-    except ValueError as e:
-        raise UsageError(f"--loop-guard {e}") from None
+    ChatSettings(loop_guard=args.loop_guard)
 
 
 def sampling_params(args, model=None) -> dict:
@@ -151,39 +97,30 @@ def input_file(flag: str, path: str):
 
 
 def check_llama_args(args) -> None:
-    """UsageError, naming the fix, for llama.cpp flags no model can run with (before anything loads)."""
-    if args.ctx_size < 0:
-        raise UsageError(f"-c/--ctx-size {args.ctx_size}: give a number of tokens, or 0 for the model's trained context")
-    if args.n_gpu_layers < -1:
-        raise UsageError(f"-ngl/--n-gpu-layers {args.n_gpu_layers}: give a number of layers, 0 for none or -1 for all")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"-t/--threads {args.threads}: give at least 1 (default: the cores, at most 8)")
-    if getattr(args, "observe_every", 1) < 1:
-        raise UsageError(f"--observe-every {args.observe_every}: give at least 1 (1: the probe is decoded for every event)")
-    if getattr(args, "low_water", None) is not None:
-        from kvlocal.engine.config import check_low_water
+    """SettingError, naming the field (the command line words it as the flag), for settings no model can run with,
+    before anything loads: the settings the flags give, made (:mod:`kvlocal.settings` checks them), and the
+    refusals of ``--recall*``, ``--method`` and ``--backend`` that need no model."""
+    from kvlocal.settings import chat_settings_from_args, runtime_settings_from_args
 
-        check_low_water(args.low_water, "--low-water")
-    if getattr(args, "value_norm", None) is not None:
-        check_value_norm(args.method)
-    if hasattr(args, "recall"):
-        check_recall_args(args)
+    runtime_settings_from_args(args)
+    if hasattr(args, "method"):
+        check_recall_args(args, chat_settings_from_args(args))
 
 
-def check_recall_args(args) -> None:
-    """The refusals of ``--recall*``, ``--method`` and ``--backend`` that need no model, before one loads."""
+def check_recall_args(args, s) -> None:
+    """The refusals of ``--recall*``, ``--method`` and ``--backend`` (settings ``s``) that need no model."""
     from kvlocal.engine import resolve_recall
     from kvlocal.recall import check_spill_dir
-    from kvlocal.runtime import resolve_backend
+    from kvlocal.backends import resolve_backend
 
-    kw = recall_args(args)
-    if args.recall_dir is not None and _names_a_model(args.recall_dir):
-        raise UsageError(f"--recall-dir took {args.recall_dir} as its folder: give the model before --recall-dir, "
+    if s.recall_dir is not None and _names_a_model(s.recall_dir):
+        raise UsageError(f"--recall-dir took {s.recall_dir} as its folder: give the model before --recall-dir, "
                          f"or a folder after it")
-    on = resolve_recall(kw["recall"], args.method)
-    resolve_backend(args.backend, **cache_types(args), recall=on)
-    if on and args.recall_dir is not None:
-        check_spill_dir(args.recall_dir)
+    on = resolve_recall(s.recall, s.method)
+    kw = s.engine_keywords()
+    resolve_backend(s.backend, kw["type_k"], kw["type_v"], recall=on)
+    if on and s.recall_dir is not None:
+        check_spill_dir(s.recall_dir)
 
 
 def _names_a_model(text: str) -> bool:
@@ -206,58 +143,24 @@ def sampler_from_args(args, model=None):
         raise UsageError(f"{flag} must be {rule} (got {e.value})") from None
 
 
-def recall_args(args) -> dict:
-    """``--recall``, ``--recall-mem``, ``--recall-dir``, ``--recall-steps`` → the Engine's and Chat's ``recall*``
-    keywords."""
-    from kvlocal.recall import recall_mem_setting
+def settings_from_args(args, **extra):
+    """(the runtime settings, the chat settings) the flags give, checked (:func:`check_llama_args`); ``extra``: the
+    chat settings a command sets its own way (``max_reply`` from its ``-n``)."""
+    from kvlocal.settings import chat_settings_from_args, runtime_settings_from_args
 
-    mem = recall_mem_setting(args.recall_mem)
-    if args.recall_dir is not None and args.recall == "off":
-        raise UsageError("--recall-dir has no effect with --recall off: leave it out, or turn recall on")
-    if args.recall_steps < 0:
-        raise UsageError(f"--recall-steps {args.recall_steps} must be >= 0 (0: only the question re-selects the cache)")
-    return dict(recall={"on": True, "off": False}.get(args.recall), recall_mem=mem, recall_dir=args.recall_dir,
-                recall_steps=args.recall_steps)
+    runtime = runtime_settings_from_args(args)
+    settings = chat_settings_from_args(args, **extra)
+    check_recall_args(args, settings)
+    return runtime, settings
 
 
 def engine_from_args(args, model, max_tokens: int):
-    from kvlocal.engine import Budget, Engine
+    """``kvlocal run``'s engine: the flags' settings, given to the engine as a chat gives them
+    (:meth:`kvlocal.engine.Engine.from_settings`: the value norm among them, the same way)."""
+    from kvlocal.engine import Engine
 
-    if args.chunk < 1 or args.recent < 1:
-        raise UsageError("--chunk and --recent must be at least 1")
-    budget = Budget.parse(args.budget)
+    runtime, settings = settings_from_args(args)
     if max_tokens > model.n_ctx_train:
         print(f"kvlocal: warning: {max_tokens} tokens exceed the {model.n_ctx_train} the model was trained on; positions extrapolate",
               file=sys.stderr)
-    return Engine(model, budget, args.method, max_tokens=max_tokens, chunk=args.chunk, recent=args.recent,
-                  flash_attn=args.flash_attn, n_threads=args.threads, backend=args.backend, **cache_types(args),
-                  **recall_args(args), **observe_args(args),
-                  method_params=None if args.value_norm is None else {"value_norm": args.value_norm})
-
-
-def observe_args(args) -> dict:
-    """``--observe-every``, ``--prefill-observe``, ``--low-water`` → the Engine's and Chat's ``observe_every``,
-    ``prefill_observe`` and ``low_water`` keywords: how a prompt's compression events are observed and how many
-    they are."""
-    return dict(observe_every=args.observe_every, prefill_observe=args.prefill_observe, low_water=args.low_water)
-
-
-def check_value_norm(method: str) -> None:
-    """UsageError unless ``method`` has CriticalKV's value norm to set (``--value-norm``)."""
-    from kvlocal.compress import value_norm_refusal
-
-    why = value_norm_refusal(method)
-    if why:
-        raise UsageError(f"--value-norm: --method {method} {why}, or leave --value-norm out")
-
-
-def norm_args(args) -> dict:
-    """``--value-norm`` → Chat's ``value_norm`` keyword (None: the engine's default, ``VALUE_NORM``)."""
-    return dict(value_norm=args.value_norm)
-
-
-def cache_types(args) -> dict:
-    """``-ctk``/``-ctv`` → the Engine's ``type_k``/``type_v`` (ggml types; UsageError for an unknown name)."""
-    from kvlocal.runtime import cache_type
-
-    return dict(type_k=cache_type(args.cache_type_k), type_v=cache_type(args.cache_type_v))
+    return Engine.from_settings(model, settings, max_tokens=max_tokens, n_threads=runtime.n_threads)

@@ -17,7 +17,7 @@ from policy import need
 
 torch = need("torch")  # the PyTorch reference: skip locally, fail under CI
 
-from kvlocal.compress import kernels
+from kvlocal import kernels
 from kvlocal.compress import (
     AdaKV,
     CriticalKV,

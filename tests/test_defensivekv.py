@@ -11,7 +11,7 @@ stage 2 (risk x value norm) and the prior correction something to decide.
 import numpy as np
 import pytest
 
-from kvlocal.compress import kernels
+from kvlocal import kernels
 from kvlocal.compress import CriticalKV, DefensiveKV, LayerInputs, SnapKV, make_scorer
 from kvlocal.compress.base import native_scoring
 from kvlocal.compress.criticalkv import projected_value_norms

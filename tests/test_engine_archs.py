@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).parent / "reference"))  # tiny_gguf, as te
 
 import tiny_gguf  # noqa: E402
 
-from kvlocal.compress import LayerInputs, Plan  # noqa: E402
+from kvlocal.compress import BIAS_METHODS, MERGING_METHODS, LayerInputs, Plan  # noqa: E402
 from kvlocal.engine import Engine  # noqa: E402
 from kvlocal.eval.metrics import compare_logits
 from kvlocal.eval.tasks import sample_text  # noqa: E402
@@ -72,8 +72,8 @@ ARCHS = {"llama": dict(arch="llama", rope_freqs=True), "qwen2": dict(arch="qwen2
          "gemma3": dict(arch="gemma3", n_swa=N_SWA, swa_pattern=3)}
 METHODS = ("streaming", "snapkv", "criticalkv", "adakv", "criticalkv+adakv", "kvslimmer", "meanmerge",
            "criticalkv+kvslimmer")
-MERGING = ("kvslimmer", "meanmerge", "criticalkv+kvslimmer")  # plans with merged slots (counts > 1)
-HEAD_BUDGETS = ("adakv", "criticalkv+adakv")  # plans whose heads keep different numbers of entries
+MERGING = tuple(MERGING_METHODS)  # plans with merged slots (counts > 1)
+HEAD_BUDGETS = tuple(m for m in BIAS_METHODS if m not in MERGING_METHODS)  # heads keep different numbers of entries
 N_PROMPT, N_DECODE = 600, 200
 BUDGET, CHUNK, WINDOW, N_SINK = 64, 32, 16, 4
 INPUTS_EVENT = 1  # the event whose scorer inputs are checked: a prefill event over an already compressed cache

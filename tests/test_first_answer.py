@@ -31,7 +31,7 @@ FRANCE = "What is the capital of France?"
 # -- the guard on token sequences -------------------------------------------------------------------------
 def first_loop(tokens, n=64) -> int | None:
     """The index of the token at which a LoopGuard(n) says "loop", or None."""
-    from kvlocal.chat.loops import LoopGuard
+    from kvlocal.engine.loops import LoopGuard
 
     g = LoopGuard(n)
     return next((i for i, t in enumerate(tokens) if g.feed(t)), None)
@@ -58,7 +58,7 @@ def test_text_that_does_not_repeat_is_never_a_loop():
 
 
 def test_a_guard_that_cannot_work_is_refused():
-    from kvlocal.chat.loops import LoopGuard
+    from kvlocal.engine.loops import LoopGuard
 
     for bad in (-1, 3):
         with pytest.raises(ValueError, match="give 0 \\(off\\) or at least 8"):

@@ -12,7 +12,8 @@ import pytest
 
 from kvlocal.compress import Plan
 from kvlocal.engine import Engine
-from kvlocal.runtime import CacheBasis, Context, StateBackend
+from kvlocal.backends import StateBackend
+from kvlocal.runtime import CacheBasis, Context
 from kvlocal.runtime.hostview import STATE_IO_ENV
 from kvlocal.runtime.kvquant import CACHE_TYPES
 from kvlocal.runtime.state import read_seq

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvlocal.compress import kernels
+from kvlocal import kernels
 
 
 def np_pool(x, kernel, kind):

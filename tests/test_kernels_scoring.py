@@ -6,7 +6,7 @@ Every instruction-set variant this CPU supports (generic, AVX2, AVX-512) is chec
 import numpy as np
 import pytest
 
-from kvlocal.compress import kernels
+from kvlocal import kernels
 from kvlocal.compress import numpy_kernels
 from kvlocal.compress.criticalkv import l2_factor
 
@@ -220,7 +220,7 @@ def test_f16_heads_is_numpys_conversion_bit_for_bit(level, d):
 def test_as_f32_of_half_rows_is_numpys_conversion(level):
     """as_f32 (the scorers' and the recall tier's conversion of an F16 cache's rows) on heads [H, n, d] and on rows
     [n, d], contiguous or a strided slice: numpy's float32 values, C-contiguous."""
-    from kvlocal.compress.base import as_f32
+    from kvlocal.kernels import as_f32
 
     rows = np.random.default_rng(3).standard_normal((50, 3, 16)).astype(np.float16)
     for x in (rows.transpose(1, 0, 2), rows[:, 1], rows.reshape(150, 16), rows[::2, 0]):

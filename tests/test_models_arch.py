@@ -274,7 +274,7 @@ def test_wo_cache_is_bounded_and_reported(smollm2, smollm2_model, prose):
     (a least-recently-used cache would hit none) — its factors for L2 norms for every layer (W_O is not read again
     for them); the engine reports their bytes."""
     from kvlocal.compress.criticalkv import l2_factor
-    from kvlocal.runtime.weights import OutputProjections, output_projections
+    from kvlocal.backends.weights import OutputProjections, output_projections
     from kvlocal.models.gguf_file import dequantize_tensor, read_gguf
 
     one = 576 * 576 * 4  # SmolLM2: W_O is [576, 576] float32

@@ -30,16 +30,17 @@ sys.path.insert(0, str(Path(__file__).parent / "reference"))  # tiny_gguf
 import tiny_gguf  # noqa: E402
 
 from conftest import run_cli  # noqa: E402
-from kvlocal.compress import kernels, numpy_kernels  # noqa: E402
+from kvlocal import kernels
+from kvlocal.compress import numpy_kernels  # noqa: E402
 from kvlocal.compress.criticalkv import l2_factor  # noqa: E402
 from kvlocal.engine import Engine  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
 from kvlocal.runtime import Context, Model  # noqa: E402
-from kvlocal.runtime.backend import resolve_backend  # noqa: E402
+from kvlocal.backends.base import resolve_backend  # noqa: E402
 from kvlocal.runtime.kvquant import CacheBasis  # noqa: E402
 from kvlocal.runtime.seqstate import row_bytes, rows_to_bytes  # noqa: E402
 from kvlocal.runtime.state import read_seq  # noqa: E402
-from kvlocal.runtime.weights import output_projections  # noqa: E402
+from kvlocal.backends.weights import output_projections  # noqa: E402
 from kvlocal.eval.tasks import sample_text  # noqa: E402
 
 NGL = int(os.environ.get("KVLOCAL_TEST_NGL", "0"))

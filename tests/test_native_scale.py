@@ -33,7 +33,7 @@ from kvlocal.compress import numpy_kernels  # noqa: E402
 from kvlocal.runtime import Context, Model  # noqa: E402
 from kvlocal.runtime.seqstate import SeqKV  # noqa: E402
 from kvlocal.runtime.state import read_seq, write_seq  # noqa: E402
-from kvlocal.runtime.weights import output_projections  # noqa: E402
+from kvlocal.backends.weights import output_projections  # noqa: E402
 from kvlocal.eval.tasks import sample_text  # noqa: E402
 
 NGL = int(os.environ.get("KVLOCAL_TEST_NGL", "0"))

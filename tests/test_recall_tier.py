@@ -214,9 +214,13 @@ def test_the_default_cap_is_a_share_of_the_machines_memory():
     shared = TierMemory(1 << 20)
     assert TierMemory.of(shared) is shared and recall_mem_setting(shared) == 1 << 20
     assert recall_mem_setting(" None ") == "none" and recall_mem_setting(None) is None
-    for bad in ("0", "lots", 0, -5):
-        with pytest.raises(UsageError, match="--recall-mem .*none for no limit"):
+    from kvlocal.errors import worded
+    from kvlocal.settings import flag_name
+
+    for bad in ("0", "lots", 0, -5):  # the field named; the command line words it as the flag
+        with pytest.raises(UsageError, match="^recall_mem .*none for no limit") as e:
             recall_mem_setting(bad)
+        assert worded(e.value, flag_name).startswith("--recall-mem ")
 
 
 def test_ram_chunks_come_from_slabs_no_larger_than_the_cap():
@@ -334,7 +338,7 @@ def test_device_table_is_membership_per_layer_and_head():
 def test_page_candidates_are_the_numpy_steps():
     # kvl_page_candidates (one call per head) against the steps it replaced: Quest's bounds (page_bounds), the
     # pages with a row off the device ranked by bound (stable), taken until n_want rows, their rows off the device
-    from kvlocal.compress.kernels import page_candidates
+    from kvlocal.kernels import page_candidates
 
     rng = np.random.default_rng(9)
     checked = 0

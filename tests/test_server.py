@@ -286,6 +286,19 @@ def test_a_request_may_choose_its_cache_settings(server):
         assert_error(httpx.post(url, json={"messages": GERMANY, "kv": kv}, timeout=60), 400, param)
 
 
+def test_a_bad_setting_is_worded_as_the_request_names_it(server):
+    """An API client reads a bad setting by its JSON path, never by the command line's flag: refused while the
+    request is parsed (``kv.budget 'lots' is not a number``), and refused by the engine, once the model is known
+    (a budget below the floor of the sinks and the recent span)."""
+    url = server.url + "/v1/chat/completions"
+    err = assert_error(httpx.post(url, json={"messages": GERMANY, "kv": {"budget": "lots"}}, timeout=60), 400,
+                       "kv.budget", "kv.budget 'lots' is not a number: give a ratio")
+    assert "--" not in err["message"], err
+    err = assert_error(httpx.post(url, json={"messages": GERMANY, "kv": {"budget": 10}}, timeout=60), 400, "kv.budget",
+                       "kv.budget 10 is below the floor")
+    assert "--" not in err["message"], err
+
+
 def test_bad_requests_then_serving_on(server):
     url = server.url + "/v1/chat/completions"
     post = lambda body: httpx.post(url, content=body if isinstance(body, str) else json.dumps(body), timeout=60)  # noqa: E731

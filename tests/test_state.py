@@ -500,7 +500,7 @@ def test_bench_state_times_a_read_and_the_plan_it_applies(smollm2_model, monkeyp
     import sys
     from pathlib import Path
 
-    from kvlocal.runtime import StateBackend
+    from kvlocal.backends import StateBackend
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tools import bench_state

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from kvlocal.chat.tools import CallFilter, check_tools, parse, tool_format
+from kvlocal.chat.tools import CallFilter, check_tools, parse
+from kvlocal.runtime.chat_template import tool_format
 from kvlocal.errors import UsageError
 from policy import need
 from serving import in_process_server

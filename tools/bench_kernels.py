@@ -8,10 +8,10 @@
 
 Random inputs of a real model's shapes (the timings do not depend on the values). Each step is timed
 per layer (median over layers and repeats) and for all layers (median over repeats); "numpy" replaces
-the two scoring kernels (:func:`kvlocal.compress.kernels.window_votes`, :func:`kvlocal.compress.kernels.vnorm`) by
+the two scoring kernels (:func:`kvlocal.kernels.window_votes`, :func:`kvlocal.kernels.vnorm`) by
 their readable numpy definitions (:mod:`kvlocal.compress.numpy_kernels`) and the F16 cache's conversion
-(:func:`kvlocal.compress.kernels.f16_heads_f32`) by numpy's; pooling and top-k stay native in both. The "event"
-rows' C column is ``keep()`` in one call (:func:`kvlocal.compress.kernels.attention_keep`), except the last
+(:func:`kvlocal.kernels.f16_heads_f32`) by numpy's; pooling and top-k stay native in both. The "event"
+rows' C column is ``keep()`` in one call (:func:`kvlocal.kernels.attention_keep`), except the last
 row's: the scorers' numpy steps around the C kernels, what the one call replaces. The two alternate layer by layer, so the ratio holds on a busy machine. numpy's BLAS may use
 several threads: set ``OPENBLAS_NUM_THREADS=1`` on a machine shared with other work.
 """
@@ -25,7 +25,8 @@ import time
 
 import numpy as np
 
-from kvlocal.compress import kernels, snapkv
+from kvlocal import kernels
+from kvlocal.compress import snapkv
 from kvlocal.compress import make_scorer, numpy_kernels
 from kvlocal.compress.base import LayerInputs, Scorer, native_scoring, plan_layers, select
 from kvlocal.compress.criticalkv import VALUE_NORMS, CriticalKV

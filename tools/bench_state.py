@@ -24,7 +24,8 @@ import numpy as np
 from kvlocal.cli.bench import long_text
 from kvlocal.compress import Plan
 from kvlocal.models import resolve
-from kvlocal.runtime import CacheBasis, Context, Model, RowRecord, StateBackend
+from kvlocal.backends import RowRecord, StateBackend
+from kvlocal.runtime import CacheBasis, Context, Model
 
 
 def run(model: Model, cells: int, keep: int, repeat: int, threads: int, flash_attn: bool = False, seed: int = 0,

@@ -38,7 +38,7 @@ def write_gguf(path: Path, layers: int, dim: int, seed: int = 0) -> None:
 
 def main(argv=None) -> None:
     from kvlocal.compress.criticalkv import shared_l2_factor
-    from kvlocal.runtime.weights import OutputProjections
+    from kvlocal.backends.weights import OutputProjections
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)

@@ -37,7 +37,7 @@ MODELS = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b")
 
 def sampling(config: str, model) -> tuple[dict, int]:
     """(Sampler keywords, loop guard tokens) of a configuration's name."""
-    from kvlocal.chat.loops import LOOP_GUARD
+    from kvlocal.engine.loops import LOOP_GUARD
     from kvlocal.runtime import chat_sampling
 
     if config == "greedy":
@@ -53,7 +53,7 @@ def sampling(config: str, model) -> tuple[dict, int]:
 
 def looped(model, text: str) -> bool:
     """Whether a reply holds 64 tokens that are one span repeated (what the loop guard ends)."""
-    from kvlocal.chat.loops import LOOP_GUARD, LoopGuard
+    from kvlocal.engine.loops import LOOP_GUARD, LoopGuard
 
     guard = LoopGuard(LOOP_GUARD)
     return any(guard.feed(t) for t in model.tokenize(text, add_special=False))

@@ -20,7 +20,7 @@ import argparse
 import threading
 
 from kvlocal.cli.bench import QUESTION, long_text
-from kvlocal.compress import kernels
+from kvlocal import kernels
 from kvlocal.engine import Engine
 from kvlocal.models import resolve
 from kvlocal.recall.tier import HeadStore, HostTier

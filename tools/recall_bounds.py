@@ -25,7 +25,7 @@ import numpy as np
 
 from kvlocal.cli.bench import QUESTION, long_text
 from kvlocal.compress import observation_window
-from kvlocal.compress.kernels import page_candidates
+from kvlocal.kernels import page_candidates
 from kvlocal.engine import Engine
 from kvlocal.engine.reselect import Reselection
 from kvlocal.models import resolve

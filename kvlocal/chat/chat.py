@@ -32,59 +32,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from kvlocal import __version__
+from kvlocal.version import __version__
 from kvlocal.chat import saved
-from kvlocal.compress import VALUE_NORMS, value_norm_refusal
-from kvlocal.engine import OBSERVE_EVERY, RECALL_STEPS, Budget, Engine, EngineState
-from kvlocal.engine.config import PREFILL_OBSERVE, check_low_water, check_prefill_observe
+from kvlocal.engine import Engine, EngineState
 from kvlocal.engine.undo import TurnMark
 from kvlocal.errors import UsageError
-from kvlocal.recall import TierMemory, recall_mem_setting
-from kvlocal.runtime import Model, RowRecord, Sampler, cache_type, chat_sampling, runtime_info
-from kvlocal.chat.loops import LOOP_GUARD, LoopGuard
+from kvlocal.recall import TierMemory
+from kvlocal.backends import RowRecord
+from kvlocal.runtime import Model, Sampler, chat_sampling, runtime_info
+from kvlocal.settings import ChatSettings, RuntimeSettings, check_value_norm
 from kvlocal.chat.session import ChatSession, Transcript
 from kvlocal.chat.texts import full_cache_text, mib_text, rate_text
 from kvlocal.chat.tools import CallFilter, check_tool_choice, check_tools, forced_prefix
 
 Progress = Callable[[int, int], None]
-
-
-@dataclass(frozen=True)
-class ChatSettings:
-    """What a chat's cache depends on; saved with a session and reused when it is loaded."""
-
-    budget: str = "0.1"  # a ratio of ctx_size, or a cell count
-    method: str = "criticalkv"
-    ctx_size: int = 0  # tokens a ratio budget is sized from (0: the model's trained context)
-    chunk: int = 128
-    recent: int = 32  # the protected recent span (also the probe's length cap)
-    flash_attn: bool = False
-    system: str | None = None
-    max_reply: int = 512  # most tokens of one reply
-    cache_type_k: str = "f16"  # llama.cpp's -ctk / -ctv names
-    cache_type_v: str = "f16"
-    backend: str = "auto"  # where compression runs: native, state or auto (the engine's backend=)
-    recall: bool | None = None  # the recall tier (None: on for eviction methods): evicted rows kept on the host
-    recall_mem: int | str | None = None  # bytes of RAM the tier may use (None: the default cap; "none": no cap)
-    recall_dir: str | None = None  # a folder for the tier's memory-mapped file past recall_mem
-    pin_system: bool = True  # the system message is never evicted
-    observe_every: int = OBSERVE_EVERY  # events one decode of a reading's probe scores (kvlocal.engine.observation)
-    recall_steps: int = RECALL_STEPS  # an answer's first tokens that re-select the cache with their own query
-    value_norm: str | None = None  # CriticalKV's value norm, "l1" or "l2" (None: the engine's VALUE_NORM, L2)
-    low_water: float | None = None  # the share of the budget a reading's events leave before its last (None: the engine's)
-    prefill_observe: str = PREFILL_OBSERVE  # a reading's events before its last: the "probe" decoded, or the "window"
-    loop_guard: int = LOOP_GUARD  # a reply ends once its last loop_guard tokens repeat one span (0: off)
-
-    @classmethod
-    def of(cls, **keywords) -> "ChatSettings":
-        """The settings a Chat made with these keywords (its own, named as the fields; the rest at their defaults)
-        keeps: the budget as its canonical text, cache types in lower case, ``recall_mem`` as
-        :func:`kvlocal.recall.recall_mem_setting` gives it, ``recall_dir`` a str. One place for the forms, so that
-        a chat's settings and those it is compared with (``kvlocal serve --session-dir``) are written alike."""
-        s = {**{f.name: f.default for f in dataclasses.fields(cls)}, **keywords}
-        return cls(**{**s, "budget": str(Budget.parse(s["budget"])), "cache_type_k": s["cache_type_k"].lower(),
-                      "cache_type_v": s["cache_type_v"].lower(), "recall_mem": recall_mem_setting(s["recall_mem"]),
-                      "recall_dir": None if s["recall_dir"] is None else os.fspath(s["recall_dir"])})
 
 
 @dataclass(frozen=True)
@@ -111,68 +72,45 @@ class ChatStats:
 class Chat:
     """A conversation with a model in a bounded KV cache; see the module docstring."""
 
-    def __init__(
-        self,
-        model: str | os.PathLike | Model | None = None,
-        budget: str | float | int = 0.1,
-        method: str = "criticalkv",
-        *,
-        system: str | None = None,
-        sampler: Sampler | None = None,
-        ctx_size: int = 0,
-        chunk: int = 128,
-        recent: int = 32,
-        max_reply: int = 512,
-        n_gpu_layers: int = 0,
-        flash_attn: bool = False,
-        n_threads: int | None = None,
-        cache_type_k: str = "f16",
-        cache_type_v: str = "f16",
-        backend: str = "auto",
-        recall: bool | None = None,
-        recall_mem: int | str | TierMemory | None = None,
-        recall_dir: str | os.PathLike | None = None,
-        pin_system: bool = True,
-        tools: list[dict] | None = None,
-        observe_every: int = OBSERVE_EVERY,
-        recall_steps: int = RECALL_STEPS,
-        value_norm: str | None = None,
-        low_water: float | None = None,
-        prefill_observe: str = PREFILL_OBSERVE,
-        loop_guard: int = LOOP_GUARD,
-    ):
-        for t in (cache_type_k, cache_type_v):
-            cache_type(t)  # UsageError naming the choices, before a model is loaded
-        if value_norm is not None:  # the method's scorer refuses it too, but only once a model is loaded
-            why = value_norm_refusal(method)
-            if why:
-                raise UsageError(f"value_norm: method {method} {why}, or leave value_norm out")
-            if value_norm not in VALUE_NORMS:
-                raise UsageError(f"value_norm {value_norm!r}: give one of {', '.join(VALUE_NORMS)}")
-        if low_water is not None:
-            check_low_water(low_water)
-        check_prefill_observe(prefill_observe)
-        # a TierMemory: a cap shared with other chats (a server's conversations); the settings keep its limit
-        self._recall_memory = recall_mem if isinstance(recall_mem, TierMemory) else None
-        try:
-            LoopGuard(loop_guard)
-        except ValueError as e:
-            raise UsageError(f"loop_guard {e}") from None
-        settings = ChatSettings.of(
-            budget=budget, method=method, ctx_size=ctx_size, chunk=chunk, recent=recent, flash_attn=flash_attn,
-            system=system, max_reply=max_reply, cache_type_k=cache_type_k, cache_type_v=cache_type_v, backend=backend,
-            recall=recall, recall_mem=recall_mem, recall_dir=recall_dir, pin_system=pin_system,
-            observe_every=observe_every, recall_steps=recall_steps, value_norm=value_norm, low_water=low_water,
-            prefill_observe=prefill_observe, loop_guard=loop_guard)
+    def __init__(self, model: str | os.PathLike | Model | None = None, budget: str | float | int | None = None,
+                 method: str | None = None, *, sampler: Sampler | None = None, n_gpu_layers: int = 0,
+                 n_threads: int | None = None, rpc: str | tuple[str, ...] = (), tensor_split=None,
+                 tools: list[dict] | None = None, settings: ChatSettings | None = None,
+                 runtime: RuntimeSettings | None = None, **options):
+        """``model``: a path, a known name or a loaded :class:`~kvlocal.runtime.Model`; the chat's settings are
+        ``settings`` (:class:`~kvlocal.settings.ChatSettings`) or its fields as keywords (``budget``, ``method``,
+        ``system``, ``ctx_size``, ``recall``, ``max_reply``, ...; the rest at their defaults), checked before a
+        model loads; ``recall_mem`` may be a :class:`~kvlocal.recall.TierMemory`, a cap shared with other chats
+        (a server's conversations; the settings keep its limit). ``runtime`` (or ``n_gpu_layers``, ``n_threads``,
+        ``rpc`` — ``"host:port,..."`` of ``kvlocal rpc-server``s, docs/distributed.md — and ``tensor_split``): how a
+        model given by name loads and runs."""
+        if budget is not None:
+            options["budget"] = budget
+        if method is not None:
+            options["method"] = method
+        memory = options.get("recall_mem")
+        self._recall_memory = memory if isinstance(memory, TierMemory) else None
+        if settings is None:
+            unknown = sorted(set(options) - {f.name for f in dataclasses.fields(ChatSettings)})
+            if unknown:
+                raise TypeError(f"Chat() got an unexpected keyword argument {unknown[0]!r}")
+            settings = check_value_norm(ChatSettings(**options))  # SettingError, naming the field, before a model loads
+        elif set(options) - {"recall_mem"}:
+            raise TypeError(f"Chat() takes settings= or its fields as keywords, not both: {sorted(options)}")
+        elif "recall_mem" in options:  # the tier's cap instead of the one in the settings
+            settings = dataclasses.replace(settings, recall_mem=memory)
+        runtime = runtime or RuntimeSettings(n_gpu_layers=n_gpu_layers, n_threads=n_threads, rpc=rpc,
+                                             tensor_split=tensor_split)
+        system, loop_guard = settings.system, settings.loop_guard
         if isinstance(model, Model):
             self.model, self._own_model = model, False
         else:
             from kvlocal.models import resolve
 
-            self.model, self._own_model = Model(resolve(None if model is None else str(model)), n_gpu_layers=n_gpu_layers), True
+            self.model, self._own_model = runtime.load(resolve(None if model is None else str(model))), True
         self._lock = threading.RLock()
         self.sampler = sampler or Sampler(**chat_sampling(self.model))
-        self._threads = n_threads
+        self._threads = runtime.n_threads
         self._before_turn: tuple | None = None  # for regen: (mark, transcript, messages sent, tool_choice)
         self._rollback_before = 0  # the engine's rollback_bytes when the latest turn began
         self._turn_rates = (0.0, 0.0)
@@ -185,8 +123,8 @@ class Chat:
                                      f"use a model whose template does (e.g. Qwen2.5), or leave tools out")
             self.settings = settings
             self.engine = self._new_engine(settings)
-            self.session = ChatSession(self.engine, self.sampler, system=system, pin_system=pin_system, tools=tools,
-                                       loop_guard=loop_guard)
+            self.session = ChatSession(self.engine, self.sampler, system=system, pin_system=settings.pin_system,
+                                       tools=tools, loop_guard=loop_guard)
         except BaseException:
             self.close()
             raise
@@ -315,7 +253,7 @@ class Chat:
         one stays if that fails or is interrupted)."""
         with self._lock:
             self._check_open()
-            settings = dataclasses.replace(self.settings, budget=str(Budget.parse(budget)) if budget is not None else self.settings.budget,
+            settings = dataclasses.replace(self.settings, budget=self.settings.budget if budget is None else budget,
                                            method=method or self.settings.method)
             self._replace_engine(settings, self.session.t.copy(), progress)
 
@@ -446,14 +384,9 @@ class Chat:
         if "window" in settings:  # sessions saved before the recent span had its own name
             settings["recent"] = settings.pop("window")
         s = ChatSettings(**settings)
-        chat = cls(model if isinstance(model, Model) else model_path, s.budget, s.method, system=s.system, sampler=sampler,
-                   ctx_size=s.ctx_size, chunk=s.chunk, recent=s.recent, max_reply=s.max_reply,
-                   n_gpu_layers=n_gpu_layers, flash_attn=s.flash_attn, n_threads=n_threads,
-                   cache_type_k=s.cache_type_k, cache_type_v=s.cache_type_v, backend=s.backend, recall=s.recall,
-                   recall_mem=s.recall_mem if recall_mem is None else recall_mem, recall_dir=s.recall_dir,
-                   pin_system=s.pin_system, observe_every=s.observe_every, recall_steps=s.recall_steps,
-                   value_norm=s.value_norm,
-                   low_water=s.low_water, prefill_observe=s.prefill_observe, loop_guard=s.loop_guard)
+        chat = cls(model if isinstance(model, Model) else model_path, settings=s, sampler=sampler,
+                   runtime=RuntimeSettings(n_gpu_layers=n_gpu_layers, n_threads=n_threads),
+                   **({} if recall_mem is None else {"recall_mem": recall_mem}))
         try:
             a, e = f.arrays, h["engine"]
             if chat.engine.tier is not None and "tier_n" in a:
@@ -493,19 +426,8 @@ class Chat:
             raise UsageError("this chat is closed")
 
     def _new_engine(self, s: ChatSettings) -> Engine:
-        cap = s.ctx_size or self.model.n_ctx_train
-        return Engine(self.model, s.budget, s.method, max_tokens=cap, chunk=s.chunk, recent=s.recent,
-                      flash_attn=s.flash_attn, n_threads=self._threads, endless=s.method != "full",
-                      type_k=cache_type(s.cache_type_k), type_v=cache_type(s.cache_type_v), backend=s.backend,
-                      recall=s.recall, recall_dir=s.recall_dir, observe_every=s.observe_every,
-                      recall_mem=s.recall_mem if self._recall_memory is None else self._recall_memory,
-                      recall_steps=s.recall_steps, method_params=self._method_params(s), low_water=s.low_water,
-                      prefill_observe=s.prefill_observe)
-
-    @staticmethod
-    def _method_params(s: ChatSettings) -> dict | None:
-        """The value norm where the method has one (a /method switch to another keeps it for a switch back)."""
-        return {"value_norm": s.value_norm} if s.value_norm and not value_norm_refusal(s.method) else None
+        return Engine.from_settings(self.model, s, max_tokens=s.ctx_size or self.model.n_ctx_train,
+                                    n_threads=self._threads, endless=s.method != "full", recall_mem=self._recall_memory)
 
     def _checkpoint(self) -> tuple[TurnMark, Transcript]:
         """Where a turn begins: the engine's mark (nothing copied unless an event runs before it is closed:

@@ -21,7 +21,7 @@ import codecs
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from kvlocal.chat.loops import LoopGuard
+from kvlocal.engine.loops import LoopGuard
 from kvlocal.engine import Engine
 from kvlocal.errors import UsageError
 from kvlocal.runtime import Sampler

@@ -2,7 +2,7 @@
 
 The tools are rendered by the GGUF's own Jinja template (the ``tools`` variable, as Hugging Face's
 ``apply_chat_template`` passes it), so the model sees them in the words it was trained on; a template that
-does not use ``tools`` cannot take them (:func:`tool_format` is None). The model writes its calls as text,
+does not use ``tools`` cannot take them (:func:`kvlocal.runtime.chat_template.tool_format` is None). The model writes its calls as text,
 in its family's format, and :class:`CallFilter` takes them out of the streamed reply:
 
 - ``hermes`` — Qwen 2.5/3, Hermes, SmolLM3: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
@@ -25,9 +25,10 @@ import re
 import uuid
 
 from kvlocal.errors import UsageError
+from kvlocal.runtime.chat_template import HERMES_OPEN as _HERMES_OPEN
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # OpenAI's rule for function names
-_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_CLOSE = "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
 
 
@@ -80,29 +81,6 @@ def check_tool_choice(choice, tools: list[dict] | None) -> str | dict:
     if name is not None and name not in {t["function"]["name"] for t in tools}:
         raise UsageError(f"tool_choice names {name!r}, which is not one of the tools")
     return choice
-
-
-def tool_format(template: str | None) -> str | None:
-    """How a model writes its calls, from its Jinja chat template: ``hermes``, ``llama3``, or None when the
-    template does not take tools."""
-    if not template or not _uses_tools(template):
-        return None
-    if _HERMES_OPEN in template:
-        return "hermes"
-    if "<|start_header_id|>" in template:
-        return "llama3"
-    return None
-
-
-def _uses_tools(template: str) -> bool:
-    try:
-        import jinja2
-        from jinja2 import meta
-
-        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
-        return "tools" in meta.find_undeclared_variables(env.parse(template))
-    except Exception:  # a template jinja2 cannot parse alone: its text decides
-        return re.search(r"\btools\b", template) is not None
 
 
 def forced_prefix(fmt: str, name: str | None = None) -> str:
@@ -268,28 +246,6 @@ def _partial(text: str, marker: str) -> int:
 
 
 # -- messages ----------------------------------------------------------------------------------------------
-def for_template(messages: list[dict]) -> list[dict]:
-    """Messages as chat templates expect them: a call's arguments as an object (Hugging Face's convention;
-    the templates write them with ``tojson``), no None content."""
-    out = []
-    for m in messages:
-        m = dict(m)
-        if m.get("content") is None:
-            m["content"] = ""
-        if m.get("tool_calls"):
-            calls = []
-            for c in m["tool_calls"]:
-                f = dict(c.get("function", c))
-                if isinstance(f.get("arguments"), str):
-                    try:
-                        f["arguments"] = json.loads(f["arguments"])
-                    except json.JSONDecodeError:
-                        pass
-                calls.append({**c, "function": f})
-            m["tool_calls"] = calls
-        out.append(m)
-    return out
-
 
 def message_key(m: dict) -> tuple:
     """What of a message the model reads, for matching a conversation with the one a cache holds: role and

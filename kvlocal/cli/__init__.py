@@ -11,10 +11,10 @@ import os
 import platform
 import sys
 
-from kvlocal import __version__
-from kvlocal.errors import UsageError
-from kvlocal.options import (add_budget_args, add_llama_args, add_model_arg, add_sampling_args, check_llama_args,
-                              engine_from_args, input_file, sampler_from_args)
+from kvlocal.version import __version__
+from kvlocal.errors import UsageError, worded
+from kvlocal.options import (add_budget_args, add_llama_args, add_model_arg, add_sampling_args, engine_from_args,
+                              input_file, sampler_from_args, settings_from_args)
 
 
 
@@ -24,6 +24,10 @@ from kvlocal.options import (add_budget_args, add_llama_args, add_model_arg, add
 def cmd_doctor(args) -> int:
     from kvlocal.models import cache_dir, cached_models
 
+    from kvlocal.runtime.rpc import parse_endpoints
+
+    parse_endpoints(args.rpc)  # a bad --rpc is bad input: one line, exit 2
+    plan_rows = _plan_rows(args) if args.plan else []  # a bad -ts, -c or model too, before anything is asked
     rows = [("kvlocal", __version__), ("python", f"{platform.python_version()} ({sys.executable})")]
     problems = 0
     try:
@@ -38,11 +42,18 @@ def cmd_doctor(args) -> int:
                      if has_native_compression() else
                      "not available (patches 0009-0011): compression reads K/V to the host (--backend state)"))
         rows.append(("metal", metal_bias().describe()))
+        from kvlocal.cli import rpc
+
+        rows.append(rpc.runtime_row())
+        if args.rpc:
+            remote, bad = rpc.doctor_rows(args.rpc)
+            rows += remote
+            problems += bad
     except UsageError as e:
         rows.append(("runtime", f"NOT AVAILABLE: {e}"))
         problems += 1
     try:
-        from kvlocal.compress import kernels
+        from kvlocal import kernels
 
         kernels.topk([1.0, 3.0, 2.0], 1)
         rows.append(("kernels", f"ok ({kernels.simd_level()}: pool1d, topk, window_votes, vnorm)"))
@@ -62,10 +73,29 @@ def cmd_doctor(args) -> int:
     rows.append(("models", f"{cache_dir() / 'models'} ({len(models)})"))
     for name, path, size in models:
         rows.append(("", f"{name:<20} {size / 2**20:8.1f} MiB  {path.name}"))
+    rows += plan_rows
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return 1 if problems else 0
+
+
+def _plan_rows(args) -> list[tuple[str, str]]:
+    """``doctor --plan``'s rows (kvlocal/cli/plan.py): the settings as the flags give them, the context at -c or the
+    model's trained one."""
+    from kvlocal.cli import plan
+    from kvlocal.models import resolve
+    from kvlocal.models.gguf_file import read_gguf
+    from kvlocal.models.arch import arch_info, gguf_meta
+    from kvlocal.runtime.rpc import parse_endpoints
+    from kvlocal.settings import chat_settings_from_args, runtime_settings_from_args
+
+    runtime, s = runtime_settings_from_args(args), chat_settings_from_args(args)
+    path = resolve(args.plan)
+    header = read_gguf(path)
+    n_ctx = s.ctx_size or int(header.get(f"{arch_info(gguf_meta(header), path.name).arch}.context_length") or 4096)
+    return plan.rows(path, n_ctx, s.budget, runtime.n_gpu_layers, list(parse_endpoints(args.rpc)) if args.rpc else [],
+                     list(runtime.tensor_split) or None, s.cache_type_k, s.cache_type_v)
 
 
 def cmd_pull(args) -> int:
@@ -91,9 +121,8 @@ def cmd_run(args) -> int:
     from pathlib import Path
 
     from kvlocal.models import resolve
-    from kvlocal.runtime import Model
 
-    check_llama_args(args)
+    runtime, _ = settings_from_args(args)  # SettingError, worded as the flag, before anything loads
     sampler = sampler_from_args(args)
     if args.prompt_file == "-":
         prompt_path, text = Path("standard input"), sys.stdin.read()
@@ -105,7 +134,7 @@ def cmd_run(args) -> int:
             raise UsageError(f"--prompt-file {prompt_path}: cannot read it ({e.strerror})") from None
     if not text.strip():  # the text decides, not the tokens: a model may add a BOS token to nothing
         raise UsageError(f"--prompt-file {prompt_path} is empty: give a text to continue")
-    model = Model(resolve(args.model), n_gpu_layers=args.n_gpu_layers)
+    model = runtime.load(resolve(args.model))
     if args.chat:
         text = model.chat_prompt([{"role": "user", "content": text}], add_assistant=True)
     tokens = model.tokenize(text, add_special=True, parse_special=args.chat)
@@ -175,9 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_llama_args(p)
     add_budget_args(p)
     p.add_argument("-n", "--n-predict", type=int, default=512, help="most tokens per reply (default 512)")
-    p.add_argument("--system", default=None, help="system message")
-    p.add_argument("--pin-system", choices=("on", "off"), default="on",
-                   help="never evict the system message (default on; it counts in the budget)")
+    from kvlocal.settings import add_setting_args
+
+    add_setting_args(p, names=("system", "pin_system"))
     p.add_argument("--file", action="append", metavar="DOC", help="read a text file into the chat before the first "
                    "message (repeatable); ask about it after")
     p.add_argument("--load", metavar="PATH", help="continue a chat saved with /save (the same model)")
@@ -217,7 +246,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("doctor", help="show the runtime, kernels and cached models")
+    p.add_argument("--rpc", metavar="HOST:PORT[,HOST:PORT…]", default=None,
+                   help="also ask these rpc-servers their devices, memory and build (docs/distributed.md)")
+    p.add_argument("--plan", metavar="MODEL", default=None,
+                   help="also say what each machine needs for MODEL split as -ngl, --rpc and -ts say: weights and KV "
+                        "cache at -c, with and without --budget (from the file's header; nothing is loaded)")
+    from kvlocal.settings import add_setting_args
+
+    add_setting_args(p, names=("ctx_size", "budget", "n_gpu_layers", "tensor_split", "cache_type_k", "cache_type_v"))
     p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("rpc-server", help="serve this machine's devices to kvlocal on another machine (llama.cpp's "
+                       "RPC server; insecure: never on an open network)")
+    from kvlocal.cli import rpc
+
+    rpc.add_arguments(p)
+    p.set_defaults(func=rpc.run)
 
     p = sub.add_parser("bench", help="KV memory and decode speed at a budget vs the full cache, side by side")
     from kvlocal.cli import bench
@@ -254,8 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except UsageError as e:
-        print(f"kvlocal: error: {e}", file=sys.stderr)
+    except UsageError as e:  # a setting named as its flag (kvlocal.errors)
+        from kvlocal.settings import flag_name
+
+        print(f"kvlocal: error: {worded(e, flag_name)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)

@@ -30,10 +30,12 @@ from importlib import resources
 
 from kvlocal.compress import VALUE_NORMS, value_norm_refusal
 from kvlocal.engine import (DECODE_OBSERVATIONS, DECODE_OBSERVE, LOW_WATER, PREFILL_OBSERVATIONS, PREFILL_OBSERVE,
-                            RECALL_ROOM, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS, Budget, Engine)
+                            RECALL_ROOM, RECALL_STEP_CONFIDENCE, RECALL_STEP_EVERY, RECALL_STEPS, Engine)
 from kvlocal.engine.config import check_low_water, resolve_method_params
 from kvlocal.errors import UsageError
-from kvlocal.runtime import CACHE_TYPES, Model, cache_type, resolve_backend
+from kvlocal.backends import resolve_backend
+from kvlocal.runtime import CACHE_TYPES, Model, cache_type
+from kvlocal.settings import add_setting_args, runtime_settings_from_args
 
 
 RECALL = {"off": False, "on": True, "auto": None}  # --recall → Engine(recall=)
@@ -74,7 +76,7 @@ def measure(model: Model, tokens: list[int], method: str, budget: str, n_decode:
     ``ttft_seconds``) — and a document as a chat reads it, for the question that comes next; the decode that follows
     is the cache's (the answer's re-selecting first tokens are ``--recall-cost``'s to measure)."""
     t = None if cache == "f16" else cache_type(cache)
-    eng = Engine(model, Budget.parse(budget), method, max_tokens=len(tokens) + n_decode + 1, n_threads=threads,
+    eng = Engine(model, budget, method, max_tokens=len(tokens) + n_decode + 1, n_threads=threads,
                  backend=backend, type_k=t, type_v=t, **engine)
     read_prompt(eng, tokens, tokens[-32:] if probe == "question" else None)
     # greedy decode without stopping at end-of-text: a fixed number of steps at this context
@@ -154,7 +156,7 @@ def run(args) -> int:
         raise UsageError("--configs: include full, the cache every ratio of the table is to")
     if args.value_norms and value_norm_refusal(args.method):
         raise UsageError(f"--value-norms: --method {args.method} {value_norm_refusal(args.method)}")
-    model = Model(args.model_path, n_gpu_layers=args.n_gpu_layers)
+    model = runtime_settings_from_args(args).load(args.model_path)  # -ngl, --rpc, --tensor-split
     if args.recall_cost or args.frontier:
         if any(n < 256 for n in args.contexts):
             raise UsageError("--contexts: give document lengths of at least 256 tokens")
@@ -381,7 +383,7 @@ def run_recall_cost(args, model: Model) -> int:
         print(f"reading {n:,} tokens with recall on ({backend} backend), then one question and {n_answer} "
               f"tokens of its answer (step confidence {confidence:g}, a swap at most every {every} steps)",
               file=sys.stderr, flush=True)
-        eng = Engine(model, Budget.parse(args.budget), args.method, max_tokens=n + len(question) + n_answer + 8,
+        eng = Engine(model, args.budget, args.method, max_tokens=n + len(question) + n_answer + 8,
                      n_threads=args.threads, recall=True, backend=backend, recall_step_confidence=confidence,
                      recall_step_every=every, decode_observe=observe)
         eng.prefill(tokens, reselect_after=True)  # a document read before any question (the generic probe), as a chat reads it
@@ -436,6 +438,7 @@ def add_arguments(p) -> None:
     p.add_argument("--decode", type=int, default=64, help="tokens to decode for the speed figure (default 64)")
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    add_setting_args(p, names=("rpc", "tensor_split"))
     p.add_argument("--recall", default=None, choices=list(RECALL),
                    help="the recall tier in the compressed runs: off (the default: the cache alone, as the figures in "
                         "the docs were measured), on, or auto (kvlocal chat's default: on for the eviction methods); "

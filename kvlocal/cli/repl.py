@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 from kvlocal.chat import Chat
 from kvlocal.chat.texts import full_cache_text, mib_text, rate_text
-from kvlocal.errors import UsageError
+from kvlocal.errors import UsageError, worded
 
 HELP = """\
 Type a message and press Enter. A reply streams as it is generated; the status line after it shows
@@ -30,7 +30,7 @@ cache for the same context (-c) would take. A reply that keeps repeating itself 
 
   /read FILE     read a text file into the chat now (compressed while it is read); then ask about it
   /budget B      change the KV budget (0.1 = a tenth of the context, 2048 = cells): the chat is re-read
-  /method M      change the compression method (criticalkv, snapkv, streaming, adakv, kvslimmer, ...)
+  /method M      change the compression method: {methods}
   /regen         take back the last reply and generate it again
   /save PATH     save the chat with its compressed cache to one file
   /load PATH     load a saved chat (same model): the next reply is the one the saved chat would give
@@ -42,6 +42,16 @@ cache for the same context (-c) would take. A reply that keeps repeating itself 
 A chat never stops for length. Past the model's trained context, positions are moved back under it
 (StreamingLLM's "positions within the cache": older kept tokens are renumbered in order, the recent
 ones keep their exact distances); the status line counts these moves."""
+
+
+def help_text() -> str:
+    """:data:`HELP` with the methods of the registry (:data:`kvlocal.compress.METHODS`) listed under ``/method``."""
+    import textwrap
+
+    from kvlocal.compress import methods_help
+
+    lines = textwrap.wrap(methods_help(), width=110 - 49)
+    return HELP.replace("{methods}", ("\n" + " " * 49).join(lines))
 
 
 def _progress(desc: str):
@@ -117,8 +127,10 @@ class Repl:
                 self.say(f"unknown command {word}: /help lists them")
             else:
                 self.reply(lambda: self.chat.send(text))
-        except UsageError as e:
-            self.say(f"kvlocal: {e}")
+        except UsageError as e:  # a setting named as its flag (kvlocal.errors)
+            from kvlocal.settings import flag_name
+
+            self.say(f"kvlocal: {worded(e, flag_name)}")
         except KeyboardInterrupt:
             self.say("\n[cancelled: the chat is as it was]")
         return None
@@ -152,7 +164,7 @@ class Repl:
 
     # -- commands (a False return ends the chat) --------------------------------------------------------
     def help(self, arg: str) -> None:
-        self.say(HELP)
+        self.say(help_text())
 
     def exit(self, arg: str) -> bool:
         return False
@@ -338,30 +350,23 @@ def _stdin_lines(prompt: str) -> str:
 
 def run(args) -> int:
     """``kvlocal chat``: build the chat from the command line, read ``--file`` documents, loop."""
-    from kvlocal.options import (check_llama_args, check_loop_guard, input_file, norm_args, observe_args, recall_args,
-                                 sampler_from_args)
+    from kvlocal.options import input_file, sampler_from_args, settings_from_args
     from kvlocal.models import resolve
-    from kvlocal.runtime import Model, runtime_info
+    from kvlocal.runtime import runtime_info
 
-    check_llama_args(args)
-    check_loop_guard(args)
+    runtime, settings = settings_from_args(args, max_reply=args.n_predict)  # checked: SettingError names the field
     sampler_from_args(args).close()  # the sampling flags checked before a model loads (UsageError names the flag)
     for f in args.file or []:
         input_file("--file", f)
     path = resolve(args.model)
     info = runtime_info()
-    model = Model(path, n_gpu_layers=args.n_gpu_layers)
+    model = runtime.load(path)
     try:
         sampler = sampler_from_args(args, model)  # the model's own sampling where its GGUF declares one
         if args.load:
-            chat = Chat.load(args.load, model=model, sampler=sampler, n_threads=args.threads)
+            chat = Chat.load(args.load, model=model, sampler=sampler, n_threads=runtime.n_threads)
         else:
-            chat = Chat(model, args.budget, args.method, system=args.system, sampler=sampler, ctx_size=args.ctx_size,
-                        chunk=args.chunk, recent=args.recent, max_reply=args.n_predict, flash_attn=args.flash_attn,
-                        n_threads=args.threads, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-                        backend=args.backend, pin_system=args.pin_system == "on", loop_guard=args.loop_guard,
-                        **recall_args(args),
-                        **observe_args(args), **norm_args(args))
+            chat = Chat(model, settings=settings, sampler=sampler, runtime=runtime)
         with chat:
             interactive = sys.stdin.isatty()
             repl = Repl(chat, interactive)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvlocal.compress.base import LayerInputs, Scorer, group_max, select, top_cells_per_head
+from kvlocal.compress.criticalkv import CriticalKV, criticalkv
+from kvlocal.compress.methods import Method, own
 from kvlocal.compress.snapkv import SnapKV
 
 
@@ -88,3 +90,21 @@ class AdaKV(Scorer):
         scores = self.press.score(layer)
         budgets = head_budgets(scores, budget, layer.pos, layer.live, self.alpha_safeguard, self.max_share)
         return select(group_max(self.press.rerank(layer, scores, budgets), layer.groups), budgets, layer.pos, layer.live)
+
+
+def adakv(**kw) -> AdaKV:
+    """``AdaKV(SnapKV(...))``."""
+    mine = own(kw, AdaKV)
+    return AdaKV(press=SnapKV(**kw), **mine)
+
+
+def criticalkv_adakv(**kw) -> AdaKV:
+    """``AdaKV(CriticalKV(SnapKV(...)))``: kvpress's CriticalAdaKV."""
+    mine = own(kw, AdaKV)
+    return AdaKV(press=criticalkv(**kw), **mine)
+
+
+METHODS = {
+    "adakv": Method(adakv, parts=(AdaKV, SnapKV), rank=5),
+    "criticalkv+adakv": Method(criticalkv_adakv, parts=(AdaKV, CriticalKV, SnapKV), rank=6),
+}

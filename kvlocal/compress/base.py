@@ -3,7 +3,7 @@
 Every eviction method is a :class:`Scorer`: a dataclass whose fields are its hyperparameters (with
 defaults) and whose methods turn the :class:`LayerInputs` of one layer into a score per (KV head, cell),
 higher = keep. Behaviours compose by wrapping, as in kvpress: ``CriticalKV(SnapKV())``. numpy in, numpy
-out; the hot loops run in ``kvlocal._kernels`` (:mod:`kvlocal.compress.kernels`). No torch, no llama.cpp.
+out; the hot loops run in ``kvlocal._kernels`` (:mod:`kvlocal.kernels`). No torch, no llama.cpp.
 
 The contract, documented once:
 
@@ -47,8 +47,9 @@ from typing import Iterable
 
 import numpy as np
 
-from kvlocal.compress import kernels
+from kvlocal import kernels
 from kvlocal.compress import numpy_kernels
+from kvlocal.kernels import native_scoring
 from kvlocal.compress.plan import EMPTY, LayerPlan, Plan
 
 
@@ -287,16 +288,6 @@ class RowSource:
         raise NotImplementedError
 
 
-def native_scoring() -> bool:
-    """Whether the scorers run the C scoring kernels (True) or their numpy definitions (False).
-
-    The kernels are used where they have wide vectors (AVX2+FMA or AVX-512, chosen at run time). The
-    generic build (SSE2 on x86-64, NEON on arm64) loses to numpy, whose BLAS has them: measured on
-    x86-64 with ``python -m tools.bench_kernels --simd generic`` (docs/engine.md § a layer's selection in one call).
-    """
-    return kernels.simd_level() != "generic"
-
-
 def check_window_params(window_size: int, kernel_size: int, pooling: str) -> None:
     """ValueError for an observation window or pooling kernel an attention scorer cannot use."""
     if window_size < 1:
@@ -308,21 +299,14 @@ def check_window_params(window_size: int, kernel_size: int, pooling: str) -> Non
 
 
 def window_votes(q, q_pos, k, pos, bias=None) -> np.ndarray:
-    """:func:`kvlocal.compress.kernels.window_votes`, or its numpy definition where that is faster (:func:`native_scoring`)."""
+    """:func:`kvlocal.kernels.window_votes`, or its numpy definition where that is faster (:func:`native_scoring`)."""
     return (kernels.window_votes if native_scoring() else numpy_kernels.window_votes)(q, q_pos, k, pos, bias)
 
 
 def vnorm(v, wo, first_head, n_group, rows=None, p=1) -> np.ndarray:
-    """:func:`kvlocal.compress.kernels.vnorm`, or its numpy definition where that is faster (:func:`native_scoring`)."""
+    """:func:`kvlocal.kernels.vnorm`, or its numpy definition where that is faster (:func:`native_scoring`)."""
     return (kernels.vnorm if native_scoring() else numpy_kernels.vnorm)(v, wo, first_head, n_group, rows, p)
 
-
-def as_f32(rows: np.ndarray) -> np.ndarray:
-    """``rows`` as a C-contiguous float32 array: half floats [H, n, d] or [n, d] by :func:`kernels.f16_heads_f32`
-    where that is faster (:func:`native_scoring`), anything else by numpy. Exact either way."""
-    if rows.dtype == np.float16 and rows.ndim in (2, 3) and native_scoring():
-        return kernels.f16_heads_f32(rows) if rows.ndim == 3 else kernels.f16_heads_f32(rows[None])[0]
-    return np.ascontiguousarray(rows, dtype=np.float32)
 
 
 def order_by_pos(pos: np.ndarray, n_kv: int, descending: bool = False) -> np.ndarray:
@@ -506,3 +490,13 @@ def _planning_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
         if pool is None:
             pool = _POOLS[workers] = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kvlocal-plan")
         return pool
+
+
+def observation_window(scorer: Scorer) -> int | None:
+    """The observation queries an attention scorer reads (SnapKV's ``window_size``, through wrappers), or
+    None for a scorer that reads none."""
+    while scorer is not None:
+        if hasattr(scorer, "window_size"):
+            return int(scorer.window_size)
+        scorer = getattr(scorer, "press", None)
+    return None

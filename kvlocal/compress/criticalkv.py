@@ -12,6 +12,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from kvlocal.compress.base import LayerInputs, Scorer, top_cells, vnorm
+from kvlocal.compress.methods import Method, own
 from kvlocal.compress.snapkv import SnapKV, fused_keep
 
 
@@ -25,7 +26,7 @@ def projected_value_norms(v: np.ndarray, wo: np.ndarray, n_head: int, rows: Sequ
 
     v: [Hkv, n, d] values; wo: [D, Hq*d] (``o_proj.weight``, HF layout) — or, for ``p=2``, its factor
     (:func:`l2_factor`). Query head ``h`` reads KV head ``h // G`` and its slice is ``W_O^h = wo[:, h*d:(h+1)*d].T``
-    ([d, D]); the norm over D, then the mean over the G query heads (:func:`kvlocal.compress.kernels.vnorm`).
+    ([d, D]); the norm over D, then the mean over the G query heads (:func:`kvlocal.kernels.vnorm`).
     ``rows[g]``: the cells of KV head ``g`` to compute (default all). Returns one float32 array per KV head,
     ``[len(rows[g])]`` (or ``[n]``).
     """
@@ -76,7 +77,7 @@ def one_blas_thread():
 
 def shared_l2_factor(wo: np.ndarray, n_head: int) -> np.ndarray:
     """:func:`l2_factor`, computed once per ``wo`` array in the process and dropped with it. The engines of one
-    model share their W_O arrays (:mod:`kvlocal.runtime.weights`), so a server's chats, or a benchmark's engines, do
+    model share their W_O arrays (:mod:`kvlocal.backends.weights`), so a server's chats, or a benchmark's engines, do
     not each pay the QR of every layer again (a float64 QR of ``Hq`` matrices ``[D, d]`` a layer)."""
     key = (id(wo), n_head)
     with _FACTORS_LOCK:
@@ -184,3 +185,12 @@ class CriticalKV(Scorer):
     def keep(self, layer: LayerInputs, budget: int) -> np.ndarray:
         fused = fused_keep(self.press, layer, budget, critical=self) if type(self.press) is SnapKV else None
         return super().keep(layer, budget) if fused is None else fused
+
+
+def criticalkv(**kw) -> CriticalKV:
+    """``CriticalKV(SnapKV(...))``: CriticalKV's own parameters go to it, the others to SnapKV."""
+    mine = own(kw, CriticalKV)
+    return CriticalKV(press=SnapKV(**kw), **mine)
+
+
+METHODS = {"criticalkv": Method(criticalkv, parts=(CriticalKV, SnapKV), rank=3)}

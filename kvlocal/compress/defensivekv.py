@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlocal.compress import kernels
+from kvlocal import kernels
 from kvlocal.compress.base import LayerInputs, Scorer, check_window_params, order_by_pos, window_votes
 from kvlocal.compress.criticalkv import projected_value_norms
+from kvlocal.compress.methods import Method
 from kvlocal.compress.numpy_kernels import window_attention
 
 
@@ -148,3 +149,6 @@ class DefensiveKV(Scorer):
         crit[ranked] = scores[ranked] * vnorm[ranked]
         crit[first] = np.inf
         return crit
+
+
+METHODS = {"defensivekv": Method(DefensiveKV, rank=4)}

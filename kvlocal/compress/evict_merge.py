@@ -6,9 +6,11 @@ import math
 from dataclasses import dataclass, field
 
 from kvlocal.compress.base import LayerInputs, Scorer
-from kvlocal.compress.criticalkv import CriticalKV
+from kvlocal.compress.criticalkv import CriticalKV, criticalkv
 from kvlocal.compress.kvslimmer import KVSlimmer
+from kvlocal.compress.methods import Method, own
 from kvlocal.compress.plan import LayerPlan
+from kvlocal.compress.snapkv import SnapKV
 
 
 def evict_budget(budget: int, merge_ratio: float) -> int:
@@ -53,3 +55,12 @@ class EvictThenMerge(Scorer):
     def plan_layer(self, layer: LayerInputs, budget: int) -> LayerPlan:
         kept = self.press.keep(layer, evict_budget(budget, self.merge_ratio))  # [Hkv, B1], -1 in front
         return self.merger.plan_layer(layer.take(kept), budget).remap(kept)
+
+
+def criticalkv_kvslimmer(**kw) -> EvictThenMerge:
+    """``EvictThenMerge(CriticalKV(SnapKV(...)), KVSlimmer())``."""
+    mine = own(kw, EvictThenMerge)
+    return EvictThenMerge(press=criticalkv(**kw), merger=KVSlimmer(), **mine)
+
+
+METHODS = {"criticalkv+kvslimmer": Method(criticalkv_kvslimmer, parts=(EvictThenMerge, CriticalKV, SnapKV), rank=9)}

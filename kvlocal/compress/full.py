@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvlocal.compress.base import LayerInputs, Scorer, select
+from kvlocal.compress.methods import Method
 
 
 @dataclass
@@ -21,3 +22,6 @@ class Full(Scorer):
 
     def keep(self, layer: LayerInputs, budget: int) -> np.ndarray:
         return select(self.score(layer), layer.n, layer.pos, layer.live)
+
+
+METHODS = {"full": Method(Full, rank=0)}

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlocal.compress import kernels
+from kvlocal import kernels
 from kvlocal.compress.base import LayerInputs, Scorer, order_by_pos, select, window_votes
+from kvlocal.compress.methods import Method
 from kvlocal.compress.plan import EMPTY, LayerPlan
 
 
@@ -131,7 +132,7 @@ class KVSlimmer(Scorer):
     observation queries, with the rows' ``log(count)`` bias, GQA mean (:meth:`MergeState.attention`);
     candidates are the live, unprotected rows (:meth:`LayerInputs.protected`) in position order; the
     non-overlapping adjacent pairs with the smallest ``alpha_m + alpha_{m+1}`` are merged
-    (:func:`kvlocal.compress.kernels.greedy_pairs`), keys by :meth:`pair_weights`, values by count-weighted mean,
+    (:func:`kvlocal.kernels.greedy_pairs`), keys by :meth:`pair_weights`, values by count-weighted mean,
     counts summed (bias ``log(count)``), at the later member's position.
 
     Rounds: each round merges up to ``live - budget`` pairs per head, then ``alpha`` and ``o`` are
@@ -188,3 +189,6 @@ class KVSlimmer(Scorer):
             a, b = np.concatenate([f[0] for f in firsts]), np.concatenate([f[1] for f in firsts])
             state.merge(h, a, b, self.pair_weights(alpha[h, a], alpha[h, b], state.v[h, a], state.v[h, b], o[h]))
         return state.layer_plan(layer)
+
+
+METHODS = {"kvslimmer": Method(KVSlimmer, rank=7)}

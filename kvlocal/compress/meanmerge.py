@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvlocal.compress.kvslimmer import KVSlimmer
+from kvlocal.compress.methods import Method
 
 
 @dataclass
@@ -21,3 +22,6 @@ class MeanMerge(KVSlimmer):
 
     def pair_weights(self, a1, a2, v1, v2, o) -> np.ndarray:
         return np.full(np.shape(a1), 0.5)
+
+
+METHODS = {"meanmerge": Method(MeanMerge, rank=8)}

@@ -1,6 +1,6 @@
 """Readable numpy versions of the native scoring kernels.
 
-Each function here is the definition that the C kernel of the same name in :mod:`kvlocal.compress.kernels`
+Each function here is the definition that the C kernel of the same name in :mod:`kvlocal.kernels`
 is tested against (``tests/test_kernels_scoring.py``; ``greedy_pairs``: ``tests/test_compress_merge.py``)
 and the baseline of ``python -m tools.bench_kernels``. The scorers call the C scoring kernels where
 those have wide vectors (AVX2, AVX-512) and these functions elsewhere, where numpy's BLAS is faster
@@ -42,14 +42,14 @@ def window_votes(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, pos: np.ndarra
                  bias: np.ndarray | None = None) -> np.ndarray:
     """Mean over the window of the softmax attention of each query head over the keys: ``[Hq, n]``.
 
-    Same contract as :func:`kvlocal.compress.kernels.window_votes`. Materialises ``[Hq, w, n]``.
+    Same contract as :func:`kvlocal.kernels.window_votes`. Materialises ``[Hq, w, n]``.
     """
     return window_attention(q, q_pos, k, pos, bias).mean(axis=1).astype(np.float32)
 
 
 def vnorm(v: np.ndarray, wo: np.ndarray, first_head: int, n_group: int,
           rows: np.ndarray | None = None, p: int = 1) -> np.ndarray:
-    """``mean_h ||v[r] · W_O^h||_p``: ``[m]``. Same contract as :func:`kvlocal.compress.kernels.vnorm`."""
+    """``mean_h ||v[r] · W_O^h||_p``: ``[m]``. Same contract as :func:`kvlocal.kernels.vnorm`."""
     d = v.shape[1]
     v = np.asarray(v if rows is None else v[np.asarray(rows)], dtype=np.float32)
     heads = range(first_head, first_head + n_group)
@@ -58,7 +58,7 @@ def vnorm(v: np.ndarray, wo: np.ndarray, first_head: int, n_group: int,
 
 
 def greedy_pairs(mass: np.ndarray, n_pairs: int) -> np.ndarray:
-    """Greedy non-overlapping adjacent pairs: ``[P]``. Same contract as :func:`kvlocal.compress.kernels.greedy_pairs`."""
+    """Greedy non-overlapping adjacent pairs: ``[P]``. Same contract as :func:`kvlocal.kernels.greedy_pairs`."""
     mass = np.asarray(mass, dtype=np.float32)
     taken = np.zeros(len(mass), dtype=bool)
     chosen: list[int] = []

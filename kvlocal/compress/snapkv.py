@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlocal.compress import kernels
+from kvlocal import kernels
 from kvlocal.compress.base import LayerInputs, Scorer, check_window_params, native_scoring, order_by_pos, window_votes
+from kvlocal.compress.methods import Method
 
 
 FUSED = True  # keep() in one kernel call where it can (fused_keep); tools/bench_kernels turns it off to compare
@@ -22,7 +23,7 @@ class SnapKV(Scorer):
 
     For every query head: softmax in fp32 (scale ``1/sqrt(d)``, causal by position) of the last
     ``window_size`` observation queries over all cells, mean over those queries
-    (:func:`kvlocal.compress.kernels.window_votes`); restricted to the cells outside the window, pooled along
+    (:func:`kvlocal.kernels.window_votes`); restricted to the cells outside the window, pooled along
     the cells *in position order* (cells are stored in any order), then averaged over the ``G`` query
     heads of each KV head. Pooling comes before the group mean, as in kvpress (the AdaKV repo reduces
     the group first; see FasterDecoding/SnapKV#22). Sinks and window cells
@@ -75,7 +76,7 @@ class SnapKV(Scorer):
 
 def fused_keep(snap: SnapKV, layer: LayerInputs, budget: int, critical=None) -> np.ndarray | None:
     """``snap.keep`` (or ``critical.keep``, CriticalKV over ``snap``) in one kernel call
-    (:func:`kvlocal.compress.kernels.attention_keep`: the same steps, the same kept cells), or None where the
+    (:func:`kvlocal.kernels.attention_keep`: the same steps, the same kept cells), or None where the
     numpy scorers must run: the generic build (:func:`~kvlocal.compress.base.native_scoring`), grouped rows,
     inputs the scorers refuse (their error), rows that stay on the device without votes."""
     grouped = layer.groups is not None and (layer.groups >= 0).any()
@@ -98,3 +99,6 @@ def fused_keep(snap: SnapKV, layer: LayerInputs, budget: int, critical=None) -> 
             epsilon=1e-4 if critical is None else critical.epsilon)
     except ValueError as e:
         raise ValueError(f"layer {layer.layer}: {e}") from None
+
+
+METHODS = {"snapkv": Method(SnapKV, rank=2)}

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvlocal.compress.base import LayerInputs, Scorer
+from kvlocal.compress.methods import Method
 
 
 @dataclass
@@ -25,3 +26,6 @@ class StreamingLLM(Scorer):
         pos = layer.pos_h
         scores = np.where(pos < layer.n_sink, np.inf, pos.astype(np.float32))
         return np.where(layer.live, scores, -np.inf).astype(np.float32)
+
+
+METHODS = {"streaming": Method(StreamingLLM, rank=1)}

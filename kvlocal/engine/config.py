@@ -9,8 +9,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from kvlocal.compress import make_scorer, value_norm_refusal
-from kvlocal.errors import UsageError
-from kvlocal.runtime import N_UBATCH, RowRecord, top_probability
+from kvlocal.errors import SettingError, UsageError
+from kvlocal.backends import RowRecord
+from kvlocal.runtime import N_UBATCH, top_probability
 
 
 @dataclass(frozen=True)
@@ -25,13 +26,16 @@ class Budget:
         try:
             value = float(text)
         except (TypeError, ValueError):
-            raise UsageError(f"--budget {text!r} is not a number: give a ratio in (0, 1] like 0.1 or a cell count like 2048") from None
+            raise SettingError(f"{{budget}} {text!r} is not a number: give a ratio in (0, 1] like 0.1 or a cell count "
+                               f"like 2048", "budget") from None
         if not math.isfinite(value) or value <= 0:
-            raise UsageError(f"--budget {text} must be > 0: a ratio in (0, 1] like 0.1 or a cell count like 2048")
+            raise SettingError(f"{{budget}} {text} must be > 0: a ratio in (0, 1] like 0.1 or a cell count like 2048",
+                               "budget")
         if value <= 1:
             return cls(ratio=value)
         if value != int(value):
-            raise UsageError(f"--budget {text}: a ratio must be in (0, 1]; a cell count must be a whole number")
+            raise SettingError(f"{{budget}} {text}: a ratio must be in (0, 1]; a cell count must be a whole number",
+                               "budget")
         return cls(cells=int(value))
 
     def cells_for(self, n_tokens: int, floor: int) -> int:
@@ -39,7 +43,8 @@ class Budget:
         a ratio is raised to the floor."""
         if self.cells is not None:
             if self.cells < floor:
-                raise UsageError(f"--budget {self.cells} is below the floor of {floor} cells (sinks + the recent span): give at least {floor}")
+                raise SettingError(f"{{budget}} {self.cells} is below the floor of {floor} cells (sinks + the recent "
+                                   f"span): give at least {floor}", "budget")
             return self.cells
         return max(floor, math.ceil(self.ratio * n_tokens))
 
@@ -113,8 +118,9 @@ def resolve_recall(recall: bool | None, method: str) -> bool:
     if recall is None:
         recall = not merges
     if recall and merges:
-        raise UsageError(f"--recall on does not work with --method {method}: a merged row stands for several tokens, "
-                         "so bringing one of them back would count it twice; use an eviction method (criticalkv)")
+        raise SettingError(f"{{recall}} on does not work with {{method}} {method}: a merged row stands for several "
+                           "tokens, so bringing one of them back would count it twice; use an eviction method "
+                           "(criticalkv)", "recall")
     return bool(recall) and method != "full"
 
 
@@ -176,7 +182,8 @@ def resolve_low_water(low_water: float | None, recall: bool) -> float:
 def check_prefill_observe(prefill_observe: str) -> None:
     """UsageError, naming the choices, unless ``prefill_observe`` is one of :data:`PREFILL_OBSERVATIONS`."""
     if prefill_observe not in PREFILL_OBSERVATIONS:
-        raise UsageError(f"prefill_observe {prefill_observe!r}: give one of {', '.join(PREFILL_OBSERVATIONS)}")
+        raise SettingError(f"{{prefill_observe}} {prefill_observe!r}: give one of {', '.join(PREFILL_OBSERVATIONS)}",
+                           "prefill_observe")
 
 
 # the most layers an event plans at once (on the context's threads, no more): the kernels release the GIL, the
@@ -211,8 +218,10 @@ def check_low_water(value, name: str = "low_water") -> None:
     """UsageError, naming the fix, unless ``value`` is a share of the budget in (0, 1]; ``name``: what the caller
     calls it (``low_water``, ``--low-water``, ``--low-waters``)."""
     if isinstance(value, bool) or not (isinstance(value, (int, float, np.floating)) and 0 < value <= 1):
-        raise UsageError(f"{name} {value!r}: give a share of the budget in (0, 1] "
-                         f"(1: every event leaves the whole budget)")
+        why = f"{value!r}: give a share of the budget in (0, 1] (1: every event leaves the whole budget)"
+        if name == "low_water":  # the setting: each front door names it its own way
+            raise SettingError(f"{{low_water}} {why}", "low_water")
+        raise UsageError(f"{name} {why}")
 
 
 def step_keeps(held: int, every: int, confidence: float):
@@ -254,7 +263,7 @@ class EngineConfig:
 @dataclass
 class EngineState:
     """An :class:`~kvlocal.engine.Engine`'s :meth:`~kvlocal.engine.Engine.snapshot`: ``blob`` is llama.cpp's
-    sequence state (uint8), ``record`` kvlocal's record of the rows (:class:`~kvlocal.runtime.RowRecord`)."""
+    sequence state (uint8), ``record`` kvlocal's record of the rows (:class:`~kvlocal.backends.RowRecord`)."""
 
     blob: np.ndarray
     n_past: int

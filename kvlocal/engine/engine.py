@@ -11,7 +11,7 @@ cells pass ``budget + slack``, one *compression event* runs:
     plan     per layer and KV head, which source rows fill which cell (kvlocal.compress.Plan)
     apply    write the compacted cells back (state) / move the kept rows on the device (llama_kv_compact)
 
-Two KV backends (``backend=``, ``--backend``; :mod:`kvlocal.runtime`, one interface: read → layer inputs →
+Two KV backends (``backend=``, ``--backend``; :mod:`kvlocal.backends`, one interface: read → layer inputs →
 apply): ``native`` keeps K/V on the device — the patched llama.cpp scores the cells and moves the kept rows by
 ggml graphs, and only queries, scores, positions, indices and the rows a method reads cross to the host;
 ``state`` reads the sequence state to the host, scores it there and loads it back (any llama.cpp build; the
@@ -65,11 +65,11 @@ from kvlocal.engine.observing import Observing
 from kvlocal.engine.positions import reposition
 from kvlocal.engine.reselect import Reselection
 from kvlocal.engine.undo import TurnMark, after_apply, before_apply, before_reposition, open_mark, release, undo
-from kvlocal.errors import UsageError
+from kvlocal.errors import CacheFull, RuntimeUnavailable, SettingError, UsageError
 from kvlocal.recall import HostTier, TierMemory, evicted, store_evicted, tier_figures
-from kvlocal.runtime import (CacheBasis, CacheLost, CacheRead, Context, Model, QueryCapture, Sampler, bytes_per_value,
-                             flash_attention, has_attention_bias, kv_cache_bytes, make_backend, output_projections,
-                             pad_cells, resolve_backend, row_format)
+from kvlocal.backends import CacheRead, make_backend, output_projections, resolve_backend
+from kvlocal.runtime import (CacheBasis, CacheLost, Context, Model, QueryCapture, Sampler, bytes_per_value, flash_attention,
+                             has_attention_bias, kv_cache_bytes, pad_cells, row_format)
 
 # A generic observation window for when the question is not known yet (a document read before the
 # chat starts). Query-agnostic, in the spirit of KVzip's reconstruction prompt: queries that ask for
@@ -85,6 +85,18 @@ class Engine(Reselection, Observing):
     ``generate(n)`` (an iterator of token ids); ``append`` adds a later turn; ``stats`` tells memory,
     speed and compression figures.
     """
+
+    @classmethod
+    def from_settings(cls, model: Model, settings, *, max_tokens: int, n_threads: int | None = None,
+                      endless: bool = False, recall_mem=None) -> "Engine":
+        """The engine a chat's settings (:class:`kvlocal.settings.ChatSettings`) ask for, by their
+        :meth:`~kvlocal.settings.ChatSettings.engine_keywords` — how ``kvlocal chat``, ``serve``, ``run`` and
+        ``kvlocal.Chat`` all make theirs; ``recall_mem``: a :class:`~kvlocal.recall.TierMemory` shared with other
+        engines, instead of the settings' own cap."""
+        kw = settings.engine_keywords()
+        if recall_mem is not None:
+            kw["recall_mem"] = recall_mem
+        return cls(model, max_tokens=max_tokens, n_threads=n_threads, endless=endless, **kw)
 
     def __init__(
         self,
@@ -127,13 +139,14 @@ class Engine(Reselection, Observing):
         self.scorer = make_scorer(method, **resolve_method_params(method, method_params))  # e.g. {"value_norm": "l1"}
         resolve_backend(backend, type_k, type_v, recall=recall)  # a refusal before the model loads
         if method in BIAS_METHODS and not has_attention_bias():
-            raise UsageError(f"--method {method} needs kvlocal's patched llama.cpp (a per-head attention bias, "
-                             f"patch 0007); this runtime is stock: run `python ggml_patches/build.py`")
+            raise RuntimeUnavailable(f"{{method}} {method} needs kvlocal's patched llama.cpp (a per-head attention "
+                                     f"bias, patch 0007); this runtime is stock: run `python ggml_patches/build.py`",
+                                     "method")
         self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
         made = time.perf_counter()  # (the engine's own setup, the model loaded)
         m = self.model
         self.backend = resolve_backend(backend, type_k, type_v, offloaded=m.n_gpu_layers != 0, recall=recall,
-                                       head_dims=(m.arch.head_dim_k, m.arch.head_dim_v))
+                                       head_dims=(m.arch.head_dim_k, m.arch.head_dim_v), remote=m.remote)
         self.layers = m.arch.full_layers  # the model layers whose cache is compressed (all but sliding ones)
         self.head_dim = m.arch.head_dim_k
         # how the cache stores rows: a quantized one as raw blocks, K (and V) Walsh–Hadamard-rotated
@@ -219,7 +232,8 @@ class Engine(Reselection, Observing):
         self._recent_span = self._recent_span_of(m)
         if endless:
             if method == "full":
-                raise UsageError("an endless session needs a compression method: --method full keeps every token")
+                raise SettingError("an endless session needs a compression method: {method} full keeps every token",
+                                   "method")
             if self.ctx.n_ctx + self._recent_span + self.ctx.n_batch > m.n_ctx_train:
                 raise self._no_room(self.ctx.n_ctx)
         self.stats.setup_seconds = time.perf_counter() - made
@@ -458,9 +472,11 @@ class Engine(Reselection, Observing):
     def _check_cap(self, n: int) -> None:
         cap = self.cfg.max_tokens
         if cap is not None and not self.endless and self.n_past + n > cap:
-            raise UsageError(f"{self.n_past + n} tokens exceed the cap of {cap} this session was sized for: raise -c/--ctx-size")
+            raise CacheFull(f"{self.n_past + n} tokens exceed the cap of {cap} this session was sized for: raise "
+                            f"{{ctx_size}}", "ctx_size")
         if self.cfg.method == "full" and self.n_past + n > self.ctx.n_ctx:
-            raise UsageError(f"the full cache of {self.ctx.n_ctx} cells is full: use --budget with a compression method")
+            raise CacheFull(f"the full cache of {self.ctx.n_ctx} cells is full: use {{budget}} with a compression "
+                            f"method", "budget")
 
     def _fit_positions(self, n: int) -> bool:
         """Endless sessions: if the next n positions would pass the trained context, reposition first."""

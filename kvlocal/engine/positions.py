@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from kvlocal.engine.interrupts import interrupts_deferred
-from kvlocal.runtime import RowRecord
+from kvlocal.backends import RowRecord
 
 # After a move, the positions the session may still take before the next one: at least this share of the
 # trained context (a tier's history gives up the rest)

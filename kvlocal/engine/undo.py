@@ -32,9 +32,9 @@ import numpy as np
 
 from kvlocal.compress import Plan
 from kvlocal.engine.interrupts import interrupts_deferred
-from kvlocal.errors import UsageError
+from kvlocal.errors import KvlocalError, UsageError
 from kvlocal.recall import PAGE, evicted
-from kvlocal.runtime import RowRecord
+from kvlocal.backends import RowRecord
 
 
 @dataclass(eq=False)
@@ -213,8 +213,8 @@ def undo(engine, m: TurnMark) -> None:
     if not any(m is x for x in engine._marks):
         raise UsageError("this turn can no longer be undone (a later one was, or the session was replaced)")
     if m.tier is not None and not engine.tier.intact(m.tier.n):  # another conversation's room took its rows
-        raise UsageError("this turn can no longer be undone: the recall tier's RAM cap (--recall-mem) dropped rows "
-                         "it evicted")
+        raise KvlocalError("this turn can no longer be undone: the recall tier's RAM cap ({recall_mem}) dropped rows "
+                           "it evicted", "recall_mem")
     with interrupts_deferred():
         if m.tier is not None and m.tier.arrays is not None:  # positions moved: the tier's rows as they were before
             engine.tier.truncate(np.zeros_like(m.tier.n))

@@ -12,6 +12,7 @@ from kvlocal.compress import MERGING_METHODS
 from kvlocal.errors import UsageError
 from kvlocal.eval.runner import CACHES, EVICTION, KV_BASELINES, OBSERVATIONS, execute, plan, split_method
 from kvlocal.eval.tasks import TASKS
+from kvlocal.settings import add_setting_args, runtime_settings_from_args
 
 OPT_IN_TASKS = ("multifact12",)  # run only when named: twelve chat turns a run (docs/eval.md)
 METHOD_CHOICES = (*EVICTION, *(f"{m}+recall" for m in EVICTION if m not in MERGING_METHODS), *KV_BASELINES)
@@ -52,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and the q8_0 K+V full cache, budgets 0.1 0.2 (options given explicitly still apply)")
     p.add_argument("-t", "--threads", type=int, default=None,
                    help="llama.cpp threads (default: cores, at most 8; 1 is faster on a machine already busy)")
+    add_setting_args(p, names=("n_gpu_layers", "rpc", "tensor_split"))
 
 
 def _options(args) -> dict:
@@ -105,6 +107,7 @@ def run(args) -> int:
     from kvlocal.eval.report import short_name, write_all
 
     o = _options(args)
+    runtime = runtime_settings_from_args(args)  # --rpc, --tensor-split: refused here, before a model loads
     paths = {m: resolve(m) for m in o["models"]}
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -125,7 +128,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     new = []
     try:
-        for rec in execute(specs, paths, out / "results.jsonl", command, args.threads, o["items"], progress):
+        for rec in execute(specs, paths, out / "results.jsonl", command, args.threads, o["items"], progress, runtime):
             new.append(rec)
             bar.update(1)
     finally:  # an error's line starts on a line of its own; finished runs are recorded (rerun to continue)

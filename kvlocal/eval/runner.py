@@ -43,6 +43,7 @@ from kvlocal.models import cache_dir, sha256_file
 from kvlocal.runtime import Model
 from kvlocal.compress import MERGING_METHODS, METHODS, VALUE_NORMS, value_norm_refusal
 from kvlocal.runtime import Sampler
+from kvlocal.settings import RuntimeSettings
 from kvlocal.chat.session import ChatSession
 from kvlocal.eval.metrics import compare_logits
 from kvlocal.eval.tasks import (CHAT_TASKS, GENERATION_TASKS, KL_TASKS, N_GENERATED, Item, Prose, loops, make_items,
@@ -54,7 +55,8 @@ CACHES = {"q8_0": (8, None), "q4_0": (2, None), "kv-q8_0": (8, 8), "kv-q4_0": (2
 # the full cache quantized: the memory baselines
 KV_BASELINES = {f"full-{c}": types for c, types in CACHES.items()}
 # every compression method the engine has (eviction, head budgets, merging): the registry, less "full";
-# each also runs on a quantized cache as METHOD@CACHE (e.g. criticalkv@kv-q8_0)
+# each also runs on a quantized cache as METHOD@CACHE (e.g. criticalkv@kv-q8_0); split_method reads the registry
+# itself, so a method discovered after this import runs too
 EVICTION = tuple(m for m in METHODS if m != "full")
 
 
@@ -122,7 +124,7 @@ def split_method(name: str) -> tuple[str, tuple[int | None, int | None], bool]:
                       if i == 0 or (part not in VALUE_NORMS and part not in (KEPT, WINDOW) and not LOW.match(part)))
     recall = method.endswith(RECALL)
     method = method.removesuffix(RECALL)
-    if not (method in EVICTION or method == "full" and not cache and not recall) or (cache and cache not in CACHES):
+    if method not in METHODS or (method == "full" and (cache or recall)) or (cache and cache not in CACHES):
         raise ValueError(name)
     if (recall and method in MERGING_METHODS) or (norm and value_norm_refusal(method)):
         raise ValueError(name)
@@ -206,9 +208,9 @@ def model_sha256(path: Path) -> str:
 class Runner:
     """Runs specs for one model file; keeps the full cache's continuation logits for the other methods."""
 
-    def __init__(self, name: str, path: Path, n_threads: int | None):
+    def __init__(self, name: str, path: Path, n_threads: int | None, runtime: RuntimeSettings | None = None):
         self.name, self.path, self.n_threads = name, path, n_threads
-        self.model = Model(path)
+        self.model = runtime.load(path) if runtime is not None else Model(path)  # runtime: --rpc, --tensor-split
         self.sha256 = model_sha256(path)
         self.prose = Prose(lambda s: len(self.model.tokenize(s, add_special=False)))
         self._items: dict[tuple, list[Item]] = {}
@@ -348,9 +350,10 @@ class Runner:
 
 
 def execute(specs: Iterable[Spec], paths: dict[str, Path], out: Path, command: str, n_threads: int | None,
-            n_items: int | None = None, progress=None) -> Iterator[dict]:
+            n_items: int | None = None, progress=None, runtime: RuntimeSettings | None = None) -> Iterator[dict]:
     """Run the specs not yet in ``out`` (results.jsonl), appending each record as it finishes; yields the
-    new records. ``progress(spec, skipped)`` is called before each spec."""
+    new records. ``progress(spec, skipped)`` is called before each spec; ``runtime``: how the models load (RPC
+    servers)."""
     done = done_keys(out)
     runner = None
     with out.open("a") as f:
@@ -364,7 +367,7 @@ def execute(specs: Iterable[Spec], paths: dict[str, Path], out: Path, command: s
             if progress:
                 progress(spec, False)
             if runner is None or runner.name != spec.model:
-                runner = Runner(spec.model, paths[spec.model], n_threads)
+                runner = Runner(spec.model, paths[spec.model], n_threads, runtime)
             rec = runner.run(spec, n_items)
             rec.update(command=command, n_threads=n_threads,
                        finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))

@@ -382,7 +382,7 @@ REPLY_LOOP = (3, 3)  # a short reply loops when one span of 3 tokens occurs 3 ti
 def loops(tokens: list[int], span: int = REPLY_LOOP[0], times: int = REPLY_LOOP[1]) -> bool:
     """Whether a short reply (a chat turn's 16 tokens) loops: one span of ``span`` tokens occurs ``times``
     times in it ("The pass code of the pass code of the pass code of", "4444444"). The chat's
-    :class:`~kvlocal.chat.loops.LoopGuard` needs its window to be one span repeated 4 times or more — 16
+    :class:`~kvlocal.engine.loops.LoopGuard` needs its window to be one span repeated 4 times or more — 16
     tokens hold that only for spans of 1-3 tokens, and a compressed cache's loops in a short reply are
     longer."""
     grams = Counter(tuple(tokens[i:i + span]) for i in range(len(tokens) - span + 1))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvlocal.errors import UsageError
+from kvlocal.errors import ModelUnreadable
 from kvlocal.models.gguf_header import GGUF_MAGIC, HeaderError, read_header
 
 
@@ -19,10 +19,10 @@ def check_gguf(path: str | os.PathLike) -> Path:
         read_gguf(path)
         return path
     if not path.exists():
-        raise UsageError(f"{path}: no such file; give a path to a .gguf model or a name from `kvlocal pull --list`")
+        raise ModelUnreadable(f"{path}: no such file; give a path to a .gguf model or a name from `kvlocal pull --list`")
     if path.is_dir():
-        raise UsageError(f"{path} is a directory; give the path of a .gguf file inside it")
-    raise UsageError(f"{path} is not a regular file; give the path of a .gguf model")
+        raise ModelUnreadable(f"{path} is a directory; give the path of a .gguf file inside it")
+    raise ModelUnreadable(f"{path} is not a regular file; give the path of a .gguf model")
 
 
 def read_gguf(path: str | os.PathLike):
@@ -38,7 +38,7 @@ def read_gguf(path: str | os.PathLike):
 
 def dequantize_tensor(tensor, path: str | os.PathLike | None = None) -> np.ndarray:
     """One GGUF tensor as a float32 array in numpy order (``reversed(ne)``), with gguf's own routines — or, for
-    q8_0, q4_0, q4_1, q5_0 and q5_1, kvlocal's C kernel (:func:`kvlocal.compress.kernels.dequant_rows`: the same
+    q8_0, q4_0, q4_1, q5_0 and q5_1, kvlocal's C kernel (:func:`kvlocal.kernels.dequant_rows`: the same
     bits, faster than the gguf package's numpy — a model's W_O is read so at a chat's first compression event)."""
     from gguf.quants import dequantize
 
@@ -49,7 +49,7 @@ def dequantize_tensor(tensor, path: str | os.PathLike | None = None) -> np.ndarr
     try:
         arr = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:
-        raise UsageError(
+        raise ModelUnreadable(
             f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf package cannot "
             "dequantize; use a file quantized to a common type (F16, Q8_0, Q4_K_M, ...)"
         ) from None
@@ -62,7 +62,7 @@ def dequantize_tensor(tensor, path: str | os.PathLike | None = None) -> np.ndarr
 def _dequantize_blocks(tensor) -> np.ndarray | None:
     """``tensor``'s values by the C kernel where its type is one of the kernel's, else None (gguf's routines)."""
     try:
-        from kvlocal.compress import kernels
+        from kvlocal import kernels
     except ImportError:  # the kernels not built: gguf's routines
         return None
     size = kernels.DEQUANT_BLOCK_BYTES.get(int(tensor.tensor_type))
@@ -77,12 +77,12 @@ def _read_complete(path: Path, size: int, mtime_ns: int):
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
-        raise UsageError(f"{path} is not a GGUF file (it starts with {magic!r}); convert it with llama.cpp's convert_hf_to_gguf.py or pick a .gguf file")
+        raise ModelUnreadable(f"{path} is not a GGUF file (it starts with {magic!r}); convert it with llama.cpp's convert_hf_to_gguf.py or pick a .gguf file")
     try:
         header = read_header(path)
     except HeaderError as e:
-        raise UsageError(f"{path} is a damaged or truncated GGUF file ({e}); download it again") from None
+        raise ModelUnreadable(f"{path} is a damaged or truncated GGUF file ({e}); download it again") from None
     end = max((t.data_offset + t.n_bytes for t in header.tensors), default=0)
     if end > size:
-        raise UsageError(f"{path} is truncated ({size} of {end} bytes); download it again (`kvlocal pull --force`)")
+        raise ModelUnreadable(f"{path} is truncated ({size} of {end} bytes); download it again (`kvlocal pull --force`)")
     return header

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvlocal.errors import UsageError
+from kvlocal.errors import SettingError, UsageError
 
 if TYPE_CHECKING:
     from kvlocal.recall.tier import HostTier
@@ -135,7 +135,8 @@ class Pool:
         try:
             fd, path = tempfile.mkstemp(prefix="kvlocal-recall-", suffix=".tier", dir=d)
         except OSError as e:
-            raise UsageError(f"--recall-dir {d} is not writable ({e.strerror}): give a folder you can write to") from None
+            raise SettingError(f"{{recall_dir}} {d} is not writable ({e.strerror}): give a folder you can write to",
+                               "recall_dir") from None
         os.unlink(path)  # the file lives as long as this process holds it: nothing is left behind
         self._file = (fd, path)
 
@@ -217,10 +218,11 @@ def check_spill_dir(path) -> str:
         try:
             os.makedirs(d, exist_ok=True)
         except OSError as e:
-            raise UsageError(f"--recall-dir {d} cannot be made ({e.strerror}): give a folder you can write to") \
-                from None
+            raise SettingError(f"{{recall_dir}} {d} cannot be made ({e.strerror}): give a folder you can write to",
+                               "recall_dir") from None
     if not os.path.isdir(d):
-        raise UsageError(f"--recall-dir {d}: no such folder: create it, or leave --recall-dir out to keep the tier in RAM")
+        raise SettingError(f"{{recall_dir}} {d}: no such folder: create it, or leave {{recall_dir}} out to keep the tier "
+                           f"in RAM", "recall_dir")
     return d
 
 
@@ -242,16 +244,16 @@ def parse_size(text: str, flag: str = "--recall-mem") -> int:
 def recall_mem_setting(value) -> int | str | None:
     """``--recall-mem`` (Engine's and Chat's ``recall_mem``) as a chat's settings keep it: bytes, ``"none"`` (no
     limit) or None (:func:`default_recall_mem`); a size text is parsed, a :class:`TierMemory` gives its limit.
-    UsageError naming the flag for anything else."""
+    SettingError naming the field for anything else."""
     if value is None or isinstance(value, TierMemory):
         return None if value is None else value.setting
     if isinstance(value, str) and value.strip().lower() == "none":
         return "none"
-    try:
-        return parse_size(value) if isinstance(value, str) else parse_size(str(int(value)))
+    try:  # the setting named as {recall_mem}: each front door words it (kvlocal.errors)
+        return parse_size(value, "{recall_mem}") if isinstance(value, str) else parse_size(str(int(value)), "{recall_mem}")
     except (UsageError, TypeError, ValueError) as e:
-        why = e if isinstance(e, UsageError) else f"--recall-mem {value!r} is not a size"
-        raise UsageError(f"{why}; or none for no limit") from None
+        why = e if isinstance(e, UsageError) else f"{{recall_mem}} {value!r} is not a size"
+        raise SettingError(f"{why}; or none for no limit", "recall_mem") from None
 
 
 def machine_memory() -> int | None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlocal.compress.kernels import page_candidates
+from kvlocal.kernels import page_candidates
 from kvlocal.recall.tier import PAGE, HostTier
 
 
@@ -55,7 +55,7 @@ def choose_candidates(tier: HostTier, q: list[np.ndarray], n_rows: int) -> Candi
 
 
 def with_candidates(read, tier: HostTier, cands: Candidates, backend, span: str = "row"):
-    """``read`` extended by ``backend`` (:meth:`~kvlocal.runtime.KVBackend.extend`) with the candidates as
+    """``read`` extended by ``backend`` (:meth:`~kvlocal.backends.KVBackend.extend`) with the candidates as
     ``cands.width`` more cells: per layer, head ``h``'s ``j``-th candidate sits in new cell ``j``, rows a
     head has no candidate for are empty (position -1, count 0). ``tier_ids`` says which rows came from
     the tier, by their numbers (``HeadStore.base + id``: a row keeps its number while older ones are dropped to

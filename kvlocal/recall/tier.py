@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlocal.compress.kernels import gather_rows, page_boxes
-from kvlocal.errors import UsageError
+from kvlocal.kernels import gather_rows, page_boxes
+from kvlocal.errors import SettingError, UsageError
 from kvlocal.recall.memory import Pool, TierFull, TierMemory
 
 PAGE = 16  # rows per page (Quest uses 16)
@@ -158,8 +158,9 @@ class HostTier:
         self.chunk_bytes = CHUNK * self.row_bytes
         memory = mem_limit if isinstance(mem_limit, TierMemory) else TierMemory(mem_limit)
         if memory.limit is not None and memory.limit < self.chunk_bytes:
-            raise UsageError(f"--recall-mem {memory.limit:,} bytes is below one block of the tier ({CHUNK} rows of "
-                             f"{self.row_bytes} bytes): give at least {self.chunk_bytes:,}, or leave it out")
+            raise SettingError(f"{{recall_mem}} {memory.limit:,} bytes is below one block of the tier ({CHUNK} rows "
+                               f"of {self.row_bytes} bytes): give at least {self.chunk_bytes:,}, or leave it out",
+                               "recall_mem")
         self.pool = Pool(memory, spill_dir)
         # past the limit without a folder the oldest rows go (their chunks registered with the memory)
         self.drops_oldest = memory.limit is not None and spill_dir is None
@@ -357,7 +358,7 @@ class HostTier:
     @staticmethod
     def _bound_pages(s: HeadStore, n0: int, keys: np.ndarray) -> None:
         """Rows ``n0 ..`` with these keys joined the store: each page they fall in bounds them (element-wise min and
-        max); the page begun before keeps its old rows' bound too (:func:`~kvlocal.compress.kernels.page_boxes`)."""
+        max); the page begun before keeps its old rows' bound too (:func:`~kvlocal.kernels.page_boxes`)."""
         page_boxes(keys, n0, PAGE, s.kmin, s.kmax)
 
     @staticmethod
@@ -417,7 +418,8 @@ class HostTier:
             for ci in range(-(-m // CHUNK)):
                 sel = ids[ci * CHUNK:(ci + 1) * CHUNK]
                 if len(sel) and ci >= len(s.chunks):
-                    raise UsageError("the saved recall tier does not fit under --recall-mem: raise it or give --recall-dir")
+                    raise SettingError("the saved recall tier does not fit under {recall_mem}: raise it or give "
+                                       "{recall_dir}", "recall_mem")
                 if len(sel):
                     s.chunks[ci][0][:len(sel)] = a["tier_k"][row + sel]
                     s.chunks[ci][1][:len(sel)] = a["tier_v"][row + sel]

@@ -14,6 +14,8 @@ on its own, e.g. SmolLM2's and Qwen2.5's default system message when the convers
 from __future__ import annotations
 
 import ctypes
+import json
+import re
 import sys
 import weakref
 
@@ -63,16 +65,12 @@ class ChatTemplate:
 
     @property
     def tool_format(self) -> str | None:
-        """How this model writes tool calls (``hermes``, ``llama3``; kvlocal/chat/tools.py), or None when its
+        """How this model writes tool calls (``hermes``, ``llama3``: :func:`tool_format`; the calls are read back by kvlocal/chat/tools.py), or None when its
         template does not take tools."""
-        from kvlocal.chat.tools import tool_format
-
         return tool_format(self.jinja)
 
     def render(self, messages: list[dict], add_assistant: bool = True, tools: list[dict] | None = None) -> str:
         """The prompt for ``messages`` (with ``tools`` for a template that takes them: :attr:`tool_format`)."""
-        from kvlocal.chat.tools import for_template
-
         messages = for_template(messages)
         if tools and self.tool_format is None:
             raise UsageError(f"the chat template of {self.name} does not take tools")
@@ -170,3 +168,53 @@ def chat_template(model) -> ChatTemplate:
                         strip_bos=bool(lib.llama_vocab_get_add_bos(vocab)))
     _templates[model] = tmpl
     return tmpl
+
+
+# -- what a template takes -------------------------------------------------------------------------------
+HERMES_OPEN = "<tool_call>"  # a hermes-format call's opening (kvlocal/chat/tools.py reads the calls)
+
+
+def tool_format(template: str | None) -> str | None:
+    """How a model writes its calls, from its Jinja chat template: ``hermes``, ``llama3``, or None when the
+    template does not take tools."""
+    if not template or not _uses_tools(template):
+        return None
+    if HERMES_OPEN in template:
+        return "hermes"
+    if "<|start_header_id|>" in template:
+        return "llama3"
+    return None
+
+
+def _uses_tools(template: str) -> bool:
+    try:
+        import jinja2
+        from jinja2 import meta
+
+        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+        return "tools" in meta.find_undeclared_variables(env.parse(template))
+    except Exception:  # a template jinja2 cannot parse alone: its text decides
+        return re.search(r"\btools\b", template) is not None
+
+
+def for_template(messages: list[dict]) -> list[dict]:
+    """Messages as chat templates expect them: a call's arguments as an object (Hugging Face's convention;
+    the templates write them with ``tojson``), no None content."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("content") is None:
+            m["content"] = ""
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                f = dict(c.get("function", c))
+                if isinstance(f.get("arguments"), str):
+                    try:
+                        f["arguments"] = json.loads(f["arguments"])
+                    except json.JSONDecodeError:
+                        pass
+                calls.append({**c, "function": f})
+            m["tool_calls"] = calls
+        out.append(m)
+    return out

@@ -21,7 +21,7 @@ import ctypes
 
 import numpy as np
 
-from kvlocal.compress.kernels import compact_columns, compact_rows, transpose16
+from kvlocal.kernels import compact_columns, compact_rows, transpose16
 from kvlocal.runtime.kvquant import FLOAT_TYPES, GGML_TYPE_BF16, GGML_TYPE_F16
 from kvlocal.runtime.library import patch_functions
 from kvlocal.runtime.seqstate import SeqKV, row_bytes, row_format

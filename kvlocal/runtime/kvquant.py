@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlocal.compress import kernels
-from kvlocal.compress.base import as_f32
+from kvlocal import kernels
 from kvlocal.errors import UsageError
+from kvlocal.kernels import as_f32
 
 GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16 = 0, 1, 30
 FLOAT_TYPES = (GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16)

@@ -8,7 +8,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from kvlocal.errors import UsageError
+from kvlocal.errors import RuntimeUnavailable
 
 # llama.cpp's internal formats (the sequence-state blob, graph node names) change between versions;
 # everything in runtime/ was checked against this one.
@@ -41,19 +41,19 @@ def _import_llama_cpp():
         import llama_cpp
         import llama_cpp.llama_cpp as lib
     except ImportError as e:
-        raise UsageError(f"llama-cpp-python is not installed ({e}): {BUILD_HINT}") from None
+        raise RuntimeUnavailable(f"llama-cpp-python is not installed ({e}): {BUILD_HINT}") from None
     except (OSError, RuntimeError) as e:  # the shared library failed to load
-        raise UsageError(f"llama.cpp library failed to load ({e}): {BUILD_HINT}") from None
+        raise RuntimeUnavailable(f"llama.cpp library failed to load ({e}): {BUILD_HINT}") from None
     return llama_cpp, lib
 
 
 @functools.lru_cache(maxsize=None)
 def llama_lib():
-    """The ``llama_cpp.llama_cpp`` module, after the version check. Raises UsageError on a mismatch."""
+    """The ``llama_cpp.llama_cpp`` module, after the version check. Raises RuntimeUnavailable (a UsageError) on a mismatch."""
     llama_cpp, lib = _import_llama_cpp()
     version = getattr(llama_cpp, "__version__", "?")
     if version != REQUIRED_LLAMA_CPP_PYTHON and not os.environ.get("KVLOCAL_ALLOW_ANY_LLAMA_CPP"):
-        raise UsageError(
+        raise RuntimeUnavailable(
             f"kvlocal needs llama-cpp-python {REQUIRED_LLAMA_CPP_PYTHON}, found {version}: {BUILD_HINT}"
         )
     lib.llama_backend_init()
@@ -65,6 +65,7 @@ def llama_lib():
 
 
 _LOG_CB = None  # keep the ctypes callback alive
+RPC_SOCKET_ERRORS = (b"recv failed (", b"send failed (")  # ggml-rpc's transport.cpp
 
 
 def _silence_logs(lib) -> None:
@@ -75,7 +76,8 @@ def _silence_logs(lib) -> None:
 
     @lib.llama_log_callback
     def _cb(level, text, user_data):
-        if level >= 4:  # GGML_LOG_LEVEL_ERROR
+        # ggml-rpc's socket errors come just before its abort, which kvlocal.runtime.rpc turns into one line
+        if level >= 4 and not text.startswith(RPC_SOCKET_ERRORS):  # GGML_LOG_LEVEL_ERROR
             os.write(2, text)
 
     _LOG_CB = _cb
@@ -173,13 +175,23 @@ def has_native_recall() -> bool:
     return fns["rows_get"] is not None and fns["rows_set"] is not None
 
 
+def local_gpu() -> bool:
+    """Whether this machine has a GPU device the runtime can offload to. Not ``llama_supports_gpu_offload()``, which
+    says yes for any build with the RPC backend, where the CPU may be the only device here."""
+    lib = llama_lib()
+    by_type = _symbol("ggml_backend_dev_by_type", ctypes.c_void_p, [ctypes.c_int])
+    if by_type is None:
+        return bool(lib.llama_supports_gpu_offload())
+    return any(by_type(t) for t in (1, 2))  # GGML_BACKEND_DEVICE_TYPE_GPU, _IGPU (RPC devices are never registered)
+
+
 def runtime_info() -> RuntimeInfo:
     """What runtime kvlocal runs on. A stock runtime is reported, not refused: eviction works on it."""
     lib = llama_lib()
     abi_fn = patch_functions()["abi_version"]
     abi = int(abi_fn()) if abi_fn else 0
     if abi and abi != REQUIRED_PATCH_ABI:
-        raise UsageError(
+        raise RuntimeUnavailable(
             f"llama.cpp was built from kvlocal patch ABI {abi}, this kvlocal needs {REQUIRED_PATCH_ABI}: {BUILD_HINT}"
         )
     import llama_cpp
@@ -188,6 +200,6 @@ def runtime_info() -> RuntimeInfo:
         version=llama_cpp.__version__,
         library=str(getattr(lib._lib, "_name", "?")),
         patch_abi=abi,
-        gpu_offload=bool(lib.llama_supports_gpu_offload()),
+        gpu_offload=local_gpu(),
         system_info=lib.llama_print_system_info().decode(errors="replace").strip(),
     )

@@ -35,7 +35,12 @@ def default_threads() -> int:
 class Model:
     """A GGUF model loaded by llama.cpp: weights, vocabulary, metadata, chat template."""
 
-    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0):
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, rpc: Sequence[str] | str = (),
+                 tensor_split: Sequence[float] | None = None):
+        """``n_gpu_layers``: the last layers (and their KV cache) that go to the devices, the others stay on the
+        CPU; ``rpc``: llama.cpp rpc-servers (``host:port``) whose devices come first among those devices, as with
+        llama.cpp's ``--rpc`` (kvlocal.runtime.rpc); ``tensor_split``: each device's share of those layers
+        (the RPC devices, server after server, then this machine's GPUs; None: by their free memory)."""
         self.path = Path(path)
         check_gguf(self.path)
         # refuse what kvlocal cannot score before llama.cpp loads anything
@@ -49,6 +54,7 @@ class Model:
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         self.n_gpu_layers = n_gpu_layers
+        self.rpc, self.devices = self._place(params, rpc, tensor_split)
         params.progress_callback = _NO_PROGRESS  # llama.cpp prints dots to stderr otherwise
         self._ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._ptr:
@@ -67,6 +73,30 @@ class Model:
             self.close()
             raise UsageError(f"{self.path.name}: llama.cpp reads a sliding window of {lib.llama_model_n_swa(self._ptr)}, "
                              f"the metadata says {self.arch.n_swa}: this file is not what kvlocal was checked against")
+
+    def _place(self, params, rpc, tensor_split) -> tuple[tuple[str, ...], list[str]]:
+        """Set the devices and the split of ``params``: (the rpc endpoints, each device's name). Without ``rpc``
+        and ``tensor_split`` llama.cpp picks the devices itself, as before."""
+        from kvlocal.runtime import rpc as remote
+
+        endpoints = remote.parse_endpoints(rpc)
+        self.remote = False  # some layers (and their KV cache) on an rpc-server
+        if not endpoints and tensor_split is None:
+            return (), []
+        devices = remote.remote_devices(endpoints) + remote.local_gpus()
+        self._devices = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)  # NULL-terminated; kept alive
+        params.devices = ctypes.cast(self._devices, ctypes.c_void_p)
+        if tensor_split is not None:
+            shares = [float(x) for x in tensor_split]
+            if len(shares) != len(devices) or min(shares, default=0) < 0 or not sum(shares):
+                names = ", ".join(remote.device_name(d) for d in devices) or "none"
+                raise UsageError(f"--tensor-split {','.join(map(str, shares))}: give one non-negative share per "
+                                 f"device, not all 0 ({len(devices)}: {names})")
+            self._split = (ctypes.c_float * llama_lib().llama_max_devices())(*shares)
+            params.tensor_split = self._split
+        n_remote = len(devices) - len(remote.local_gpus())  # the RPC devices come first
+        self.remote = self.n_gpu_layers != 0 and n_remote > 0 and (tensor_split is None or sum(shares[:n_remote]) > 0)
+        return endpoints, [remote.device_name(d) for d in devices]
 
     def close(self) -> None:
         if getattr(self, "_ptr", None):

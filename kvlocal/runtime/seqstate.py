@@ -9,7 +9,7 @@ from typing import Callable
 
 import numpy as np
 
-from kvlocal.compress.kernels import transpose16
+from kvlocal.kernels import transpose16
 from kvlocal.errors import UsageError
 from kvlocal.runtime.kvquant import codec, type_name
 

@@ -38,10 +38,9 @@ import os
 import sys
 from pathlib import Path
 
-from kvlocal.errors import UsageError
-from kvlocal.options import (add_budget_args, add_llama_args, add_model_arg, add_sampling_args, check_llama_args,
-                             check_loop_guard, norm_args, observe_args, recall_args, sampler_from_args,
-                             sampling_params)
+from kvlocal.errors import UsageError, worded
+from kvlocal.options import (add_budget_args, add_llama_args, add_model_arg, add_sampling_args, sampler_from_args,
+                             sampling_params, settings_from_args)
 from kvlocal.server.app import _bind, _serve, create_app
 from kvlocal.server.sessions import SessionDir
 from kvlocal.server.worker import DEFAULT_CACHE_CHATS, DEFAULT_CACHE_MIB, Worker
@@ -78,34 +77,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from kvlocal.models import DEFAULT_MODEL, KNOWN_MODELS, resolve
-    from kvlocal.runtime import Model, Sampler
+    from kvlocal.runtime import Sampler
 
     _check_args(args)
-    check_llama_args(args)
+    runtime, settings = settings_from_args(args, max_reply=args.n_predict)  # every setting checked, worded as its flag
     sampler_from_args(args).close()  # the default sampling flags, checked (UsageError names the flag)
-    check_loop_guard(args)
     sock, url, loopback = _bind(args.host, args.port)
     model = worker = None
     try:
         path = resolve(args.model)
         name = args.model or DEFAULT_MODEL
         model_id = name if name in KNOWN_MODELS else Path(path).stem
-        model = Model(path, n_gpu_layers=args.n_gpu_layers)
+        model = runtime.load(path)
         sampling = sampling_params(args, model)  # the model's own sampling where its GGUF declares one
-        worker = Worker(model, model_id, chat_options=dict(
-            budget=args.budget, method=args.method, ctx_size=args.ctx_size, chunk=args.chunk, recent=args.recent,
-            max_reply=args.n_predict, flash_attn=args.flash_attn, n_threads=args.threads,
-            cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, backend=args.backend,
-            pin_system=args.pin_system == "on", loop_guard=args.loop_guard, **recall_args(args), **observe_args(args),
-            **norm_args(args)),
-            defaults=sampling,
+        worker = Worker(model, model_id, chat_options=settings, n_threads=runtime.n_threads, defaults=sampling,
             max_tokens=args.n_predict, cache_bytes=int(args.cache_mib * 2**20), cache_chats=args.cache_chats,
             sessions=None if args.session_dir is None else SessionDir(args.session_dir, args.session_max_bytes))
         cells = worker.check()  # builds one chat: a budget or method that cannot work fails here, not per request
         if not loopback and not args.api_key:
             print(f"kvlocal serve: warning: listening on {args.host} without --api-key: anyone who can reach "
                   f"this port can use the model", file=sys.stderr)
-        print(f"kvlocal serve · {model_id} · budget {args.budget} ({cells:,} cells) · {args.method} · "
+        print(f"kvlocal serve · {model_id} · budget {settings.budget} ({cells:,} cells) · {args.method} · "
               f"sampling {Sampler(**sampling).describe()} · {url} (OpenAI API at {url}/v1)", file=sys.stderr, flush=True)
         _serve(create_app(worker, api_key=args.api_key), sock, worker)
     finally:
@@ -126,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except UsageError as e:
-        print(f"kvlocal: error: {e}", file=sys.stderr)
+        from kvlocal.settings import flag_name
+
+        print(f"kvlocal: error: {worded(e, flag_name)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
@@ -141,8 +135,6 @@ def _check_args(args) -> None:
         raise UsageError("--cache-chats must be >= 0 (0 keeps no conversation for reuse)")
     if args.n_predict < 1:
         raise UsageError("-n/--n-predict must be at least 1")
-    if args.chunk < 1 or args.recent < 1:
-        raise UsageError("--chunk and --recent must be at least 1")
     if args.session_dir is not None:
         d = Path(args.session_dir)
         if not d.is_dir():

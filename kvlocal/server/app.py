@@ -19,7 +19,8 @@ from pathlib import Path
 
 from kvlocal.errors import UsageError
 from kvlocal.server import ollama
-from kvlocal.server.requests import BadRequest, _error_body, error_response, parse_completion, parse_request
+from kvlocal.server.requests import (BadRequest, _error_body, _error_detail, error_response, parse_completion,
+                                     parse_request)
 from kvlocal.server.worker import Job, Result, Worker, _ShuttingDown
 
 _OPEN_PATHS = ("/health",)  # answered without the API key (liveness checks)
@@ -106,8 +107,8 @@ def create_app(worker: Worker, api_key: str | None = None):
 
     async def health(request: Request):
         c, m = worker.cache, worker.recall_memory
-        return JSONResponse({"status": "ok", "model": worker.model_id, "method": worker.chat_options["method"],
-                             "budget": str(worker.chat_options["budget"]), "busy": worker.busy,
+        return JSONResponse({"status": "ok", "model": worker.model_id, "method": worker.settings.method,
+                             "budget": worker.settings.budget, "busy": worker.busy,
                              "queued": worker.queued, "served": worker.served, "conversations": len(c),
                              "cache_bytes": c.bytes, "cache_bytes_max": c.max_bytes, "evictions": c.evictions,
                              "host_tier_cap_used": m.used, "host_tier_cap": m.limit})
@@ -115,8 +116,8 @@ def create_app(worker: Worker, api_key: str | None = None):
     async def models(request: Request):
         return JSONResponse({"object": "list", "data": [
             {"id": worker.model_id, "object": "model", "created": started, "owned_by": "kvlocal",
-             "kvlocal": {"file": Path(worker.model.path).name, "budget": str(worker.chat_options["budget"]),
-                         "method": worker.chat_options["method"], "n_ctx_train": worker.model.n_ctx_train}}]})
+             "kvlocal": {"file": Path(worker.model.path).name, "budget": worker.settings.budget,
+                         "method": worker.settings.method, "n_ctx_train": worker.model.n_ctx_train}}]})
 
     async def start(job: Job, stream: bool, request: Request, fail):
         """Submit ``job`` and wait for its first piece (or its end), watching for the client leaving: returns
@@ -155,7 +156,7 @@ def create_app(worker: Worker, api_key: str | None = None):
             status, message, kind = _error_body(500, e)
             if status == 500:
                 _print_failure(e)
-            return fail(status, message, kind)
+            return fail(status, message, kind, **_error_detail(e))
         return fut, queue, first
 
     async def pieces(queue, first):
@@ -193,7 +194,7 @@ def create_app(worker: Worker, api_key: str | None = None):
         status, message, kind = _error_body(500, e)
         if status == 500:
             _print_failure(e)
-        error = {"message": message, "type": kind, "param": None, "code": None, "status": status}
+        error = {"message": message, "type": kind, "param": None, "code": None, **_error_detail(e), "status": status}
         return f"data: {json.dumps({'error': error})}\n\n"
 
     async def completions(request: Request):
@@ -283,7 +284,7 @@ def create_app(worker: Worker, api_key: str | None = None):
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # -- Ollama's API (kvlocal.server.ollama) -------------------------------------------------------
-    def ollama_error(status: int, message: str, kind: str = "") -> Response:
+    def ollama_error(status: int, message: str, kind: str = "", **detail) -> Response:  # Ollama's: message only
         return JSONResponse({"error": message}, status_code=status)
 
     async def ollama_reply(request: Request, kind: str):
@@ -360,7 +361,7 @@ def create_app(worker: Worker, api_key: str | None = None):
         status, message, kind = _error_body(500, e)
         if status == 500:
             _print_failure(e)
-        return error_response(status, message, kind)
+        return error_response(status, message, kind, **_error_detail(e))
 
     async def http_error(request: Request, exc: HTTPException):
         if exc.status_code == 404:

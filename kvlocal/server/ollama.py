@@ -115,4 +115,4 @@ def show(worker, body) -> dict:
             "model_info": {"general.architecture": m.meta("general.architecture") or "",
                            "general.parameter_count": 0, "context_length": m.n_ctx_train},
             "capabilities": ["completion"] + (["tools"] if worker.tool_format else []), "modified_at": tags(worker)["models"][0]["modified_at"],
-            "kvlocal": {"budget": str(worker.chat_options["budget"]), "method": worker.chat_options["method"]}}
+            "kvlocal": {"budget": worker.settings.budget, "method": worker.settings.method}}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from kvlocal.errors import UsageError
+from kvlocal.errors import KvlocalError, UsageError
 from kvlocal.server.worker import Job, Worker, _ShuttingDown
 
 MAX_STOPS = 16
@@ -65,7 +65,9 @@ def parse_completion(body, worker: Worker) -> tuple[Job, bool, bool, bool]:
 def _job(body: dict, worker: Worker, default_max: int) -> tuple[Job, bool, bool]:
     """What chat and plain completion requests share: sampling, length, stops, streaming, cache reuse and the
     ``kv`` object, as a Job without its messages or prompt."""
-    from kvlocal.runtime import Sampler, SamplerParamError
+    import dataclasses
+
+    from kvlocal.runtime import SAMPLING_PARAMS, Sampler, SamplerParamError
 
     def get(name, kind, default=None):
         v = body.get(name)
@@ -106,11 +108,9 @@ def _job(body: dict, worker: Worker, default_max: int) -> tuple[Job, bool, bool]
     reuse = get("cache_prompt", bool, True)
 
     d = worker.defaults
-    names = {"temp": "temperature"}  # Sampler's names -> the request's
-    params = dict(temp=get("temperature", float, d.get("temp", 0.0)), top_k=get("top_k", int, d.get("top_k", 40)),
-                  top_p=get("top_p", float, d.get("top_p", 0.95)), min_p=get("min_p", float, d.get("min_p", 0.05)),
-                  repeat_penalty=get("repeat_penalty", float, d.get("repeat_penalty", 1.0)),
-                  repeat_last_n=get("repeat_last_n", int, d.get("repeat_last_n", 64)))
+    names = {"temp": "temperature"}  # Sampler's names -> the request's (llama-server's)
+    own = {f.name: f.default for f in dataclasses.fields(Sampler)}  # each parameter's type is its default's
+    params = {p: get(names.get(p, p), type(own[p]), d.get(p, own[p])) for p in SAMPLING_PARAMS}
     seed = body.get("seed", None)
     params["seed"] = d.get("seed") if seed is None else None if get("seed", int) == -1 else get("seed", int)
     try:
@@ -119,7 +119,7 @@ def _job(body: dict, worker: Worker, default_max: int) -> tuple[Job, bool, bool]
         name = names.get(e.param, e.param)
         rule = e.rule.replace("or None (random)", "or -1 (random)")
         raise BadRequest(f"{name} must be {rule} (got {e.value})", name, "invalid_value") from None
-    return Job([], sampler, max_tokens, stops, reuse, _kv_options(body.get("kv"))), stream, include_usage
+    return Job([], sampler, max_tokens, stops, reuse, _kv_options(body.get("kv"), worker.settings)), stream, include_usage
 
 
 def _tools(raw, choice, worker: Worker) -> tuple[list[dict] | None, str | dict]:
@@ -141,36 +141,51 @@ def _tools(raw, choice, worker: Worker) -> tuple[list[dict] | None, str | dict]:
     return (tools, choice) if tools and choice != "none" else (None, "auto")
 
 
-def _kv_options(raw) -> dict:
-    """The request's ``kv`` extension object: this conversation's cache settings instead of the server's
-    (``budget``: a ratio or a cell count; ``method``; ``recall``: true, false or "auto")."""
-    from kvlocal.compress import METHODS
-    from kvlocal.engine import Budget
+def json_name(field: str) -> str:
+    """How a request names the setting ``field``: ``kv.budget`` where its ``kv`` object may set it, else the
+    server's flag (``-c/--ctx-size``: the server's own setting). Errors are worded with it
+    (:func:`kvlocal.errors.worded`)."""
+    from kvlocal.settings import flag_name, request_fields
+
+    return f"kv.{field}" if field in request_fields() else flag_name(field)
+
+
+def _kv_options(raw, settings) -> dict:
+    """The request's ``kv`` extension object: the settings this conversation takes instead of the server's
+    ``settings`` (those :func:`kvlocal.settings.request_fields` names: the budget, a ratio or a cell count; the
+    method; recall, true, false or "auto"), checked as the settings check them: BadRequest names the field."""
+    import dataclasses
+
+    from kvlocal.errors import SettingError
+    from kvlocal.settings import request_fields
 
     if raw is None:
         return {}
+    fields = request_fields()
+    takes = ", ".join(f'"{f}"' for f in fields)
     if not isinstance(raw, dict):
-        raise BadRequest("kv must be an object: {\"budget\", \"method\", \"recall\"}", "kv", "invalid_type")
-    unknown = sorted(set(raw) - {"budget", "method", "recall"})
-    if unknown:
-        raise BadRequest(f"kv.{unknown[0]} is not a cache setting (kv takes budget, method and recall)", f"kv.{unknown[0]}",
-                         "unsupported_parameter")
+        raise BadRequest(f"kv must be an object: {{{takes}}}", "kv", "invalid_type")
     out = {}
-    if "budget" in raw:
-        try:
-            out["budget"] = str(Budget.parse(raw["budget"]))
-        except (UsageError, TypeError, ValueError) as e:
-            raise BadRequest(f"kv.budget: {e}", "kv.budget", "invalid_value") from None
-    if "method" in raw:
-        if raw["method"] not in METHODS:
-            raise BadRequest(f"kv.method must be one of {', '.join(sorted(METHODS))} (got {json.dumps(raw['method'])[:40]})",
-                             "kv.method", "invalid_value")
-        out["method"] = raw["method"]
-    if "recall" in raw:
-        if raw["recall"] not in (True, False, "auto"):
-            raise BadRequest("kv.recall must be true, false or \"auto\"", "kv.recall", "invalid_value")
-        out["recall"] = None if raw["recall"] == "auto" else raw["recall"]
-    return out
+    for name, value in raw.items():
+        if name not in fields:
+            listed = f"{', '.join(list(fields)[:-1])} and {list(fields)[-1]}"
+            raise BadRequest(f"kv.{name} is not a cache setting (kv takes {listed})", f"kv.{name}",
+                             "unsupported_parameter")
+        pairs = fields[name]
+        if pairs is not None:
+            match = [v for j, v in pairs if j is value or (j == value and type(j) is type(value))]
+            if not match:
+                rule = ", ".join(json.dumps(j) for j, _ in pairs[:-1]) + f" or {json.dumps(pairs[-1][0])}"
+                raise BadRequest(f"kv.{name} must be {rule}", f"kv.{name}", "invalid_value")
+            value = match[0]
+        out[name] = value
+    try:
+        checked = dataclasses.replace(settings, **out)
+    except SettingError as e:
+        raise BadRequest(e.worded(json_name), json_name(e.field or "kv"), "invalid_value") from None
+    except (TypeError, ValueError) as e:
+        raise BadRequest(f"kv: {e}", "kv", "invalid_value") from None
+    return {name: getattr(checked, name) for name in out}
 
 
 def normalize_messages(raw) -> list[dict]:
@@ -305,10 +320,20 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
 
 
+def _error_detail(e: BaseException) -> dict:
+    """The ``param`` and ``code`` of an error raised by the worker: a setting's name as the request gives it
+    (:func:`json_name`) and its kind's code; none for other errors."""
+    if isinstance(e, KvlocalError):
+        return dict(param=None if e.field is None else json_name(e.field), code=e.code)
+    return {}
+
+
 def _error_body(status: int, e: BaseException) -> tuple[int, str, str]:
     """(status, message, type) of an error raised by the worker."""
     if isinstance(e, _ShuttingDown):
         return 503, "the server is shutting down", "server_error"
+    if isinstance(e, KvlocalError):  # a setting named as the request names it, the status its kind's
+        return e.status, e.worded(json_name), "invalid_request_error" if e.status < 500 else "server_error"
     if isinstance(e, UsageError):
         return 400, str(e), "invalid_request_error"
     return status, f"generation failed: {type(e).__name__}: {e}", "server_error"

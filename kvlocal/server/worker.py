@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvlocal.chat import ChatSettings
+from kvlocal.settings import ChatSettings
 from kvlocal.chat.stops import until_stop
 from kvlocal.chat.tools import message_key, turn_start
 from kvlocal.errors import UsageError
@@ -31,7 +31,13 @@ NOT_COMPARED = {
     "max_reply": "every request gives the chat its own max_tokens",
     "recall_mem": "the server's own cap (--recall-mem) replaces the saved one when the file is loaded",
 }
-_COMPARED = tuple(f.name for f in dataclasses.fields(ChatSettings) if f.name not in NOT_COMPARED)
+_UNCOMPARED = {f.name: f.default for f in dataclasses.fields(ChatSettings) if f.name in NOT_COMPARED}
+
+
+def cache_part(settings: ChatSettings) -> ChatSettings:
+    """``settings`` with the fields of :data:`NOT_COMPARED` at their defaults: two chats whose cache parts are
+    ``==`` made their caches alike and go on alike."""
+    return dataclasses.replace(settings, **_UNCOMPARED)
 
 
 class _ShuttingDown(Exception):
@@ -51,7 +57,7 @@ class Job:
     max_tokens: int
     stops: list[str] = field(default_factory=list)
     reuse: bool = True
-    options: dict = field(default_factory=dict)  # the request's kv object: budget, method, recall (Chat's keywords)
+    options: dict = field(default_factory=dict)  # the request's kv object: ChatSettings fields it overrides
     tools: list[dict] | None = None  # checked tool definitions (kvlocal.chat.tools)
     tool_choice: str | dict = "auto"
     prompt: str | None = None  # a plain completion (/v1/completions): its text instead of messages
@@ -100,13 +106,20 @@ class Result:
 class Worker:
     """The shared model, the worker thread and the conversation cache."""
 
-    def __init__(self, model, model_id: str, chat_options: dict, defaults: dict, max_tokens: int = 512,
+    def __init__(self, model, model_id: str, chat_options: ChatSettings | dict, defaults: dict, max_tokens: int = 512,
                  cache_bytes: int = DEFAULT_CACHE_MIB << 20, cache_chats: int = DEFAULT_CACHE_CHATS,
-                 sessions: SessionDir | None = None):
+                 sessions: SessionDir | None = None, n_threads: int | None = None):
+        """``chat_options``: the server's chat settings (or their fields as Chat's keywords, ``n_threads`` among
+        them); ``defaults``: the sampling a request that gives none gets."""
         self.model, self.model_id = model, model_id
-        self.chat_options, self.defaults, self.max_tokens = dict(chat_options), dict(defaults), max_tokens
+        if not isinstance(chat_options, ChatSettings):
+            chat_options = dict(chat_options)
+            n_threads = chat_options.pop("n_threads", n_threads)
+            chat_options = ChatSettings(**chat_options)
+        self.settings, self.n_threads = chat_options, n_threads
+        self.defaults, self.max_tokens = dict(defaults), max_tokens
         # one RAM cap for every conversation's recall tier (--recall-mem): the oldest rows of them all go first
-        self.recall_memory = self.chat_options["recall_mem"] = TierMemory.of(self.chat_options.get("recall_mem"))
+        self.recall_memory = TierMemory.of(self.settings.recall_mem)
         self.cache = ConversationCache(cache_bytes, cache_chats)
         self.sessions = sessions  # --session-dir: conversations written after each reply, loaded after a restart
         self.stopping = threading.Event()
@@ -123,10 +136,15 @@ class Worker:
                 return chat.stats.budget_cells
         return self._pool.submit(probe).result()
 
+    def settings_for(self, options: dict, system: str | None = None) -> ChatSettings:
+        """The server's settings with a request's ``kv`` overrides (and its system message)."""
+        return dataclasses.replace(self.settings, system=system, **options)
+
     def new_chat(self, system: str | None, options: dict | None = None, tools: list[dict] | None = None):
         from kvlocal.chat import Chat
 
-        return Chat(self.model, system=system, tools=tools, **{**self.chat_options, **(options or {})})  # Chat's keywords
+        return Chat(self.model, settings=self.settings_for(options or {}, system), tools=tools,
+                    n_threads=self.n_threads, recall_mem=self.recall_memory)
 
     @property
     def tool_format(self) -> str | None:
@@ -178,18 +196,20 @@ class Worker:
                 return chat, "regen"
             if self.sessions is not None:
                 chat = self.sessions.load(head, self.model, lambda saved: self._other_settings(saved, job.options),
-                                          n_threads=self.chat_options.get("n_threads"), recall_mem=self.recall_memory)
+                                          n_threads=self.n_threads, recall_mem=self.recall_memory)
                 if chat is not None:
                     return chat, "restored"
         return self.new_chat(job.system, job.options, job.tools), "new"
 
-    def _other_settings(self, saved, options: dict) -> list[str]:
-        """How a saved chat's settings differ from this server's with a request's ``options``, one ``name saved →
-        here`` each, over every field of ChatSettings but :data:`NOT_COMPARED`; empty: it may go on here."""
-        keywords = {**self.chat_options, **options}
-        here = ChatSettings.of(**{f: keywords[f] for f in _COMPARED if f in keywords})
-        return [f"{f} {getattr(saved, f)!r} → {getattr(here, f)!r}" for f in _COMPARED
-                if getattr(saved, f) != getattr(here, f)]
+    def _other_settings(self, saved: ChatSettings, options: dict) -> list[str]:
+        """How a saved chat's settings differ from this server's with a request's ``options``: empty where their
+        :func:`cache_part` are ``==`` (it may go on here), else one ``name saved → here`` for each field that
+        differs."""
+        saved, here = cache_part(saved), cache_part(self.settings_for(options))
+        if saved == here:
+            return []
+        return [f"{f.name} {getattr(saved, f.name)!r} → {getattr(here, f.name)!r}"
+                for f in dataclasses.fields(ChatSettings) if getattr(saved, f.name) != getattr(here, f.name)]
 
     def _generate(self, job: Job) -> Result:
         t0 = time.perf_counter()

@@ -14,8 +14,13 @@ Eviction scorers follow one contract (see :mod:`.base`) and compose by wrapping:
 Merging is separate: ``KVSlimmer().compress(layer_kv, obs, budget)`` merges adjacent rows in rounds
 down to the budget (result: :class:`MergeGroups`); ``MeanMerge`` is the same with averaged keys, and
 ``EvictThenMerge(CriticalKV(SnapKV()), KVSlimmer())`` evicts to a little more than the budget first.
+
+Each module declares the twins of the engine's methods it holds (``METHODS``: name -> ``twin(n_sink)``, the scorer
+with the engine's defaults), read like the engine's own (:data:`METHODS`, :func:`make_twin`); an out-of-tree
+method names its twin's module in the entry point group ``kvlocal.reference_methods``.
 """
 
+from kvlocal import registry
 from kvlocal.reference.compress.adakv import AdaKV, adakv_budgets
 from kvlocal.reference.compress.base import (
     KeepPlan,
@@ -31,6 +36,7 @@ from kvlocal.reference.compress.base import (
 from kvlocal.reference.compress.criticalkv import CriticalKV, projected_value_norms, two_stage
 from kvlocal.reference.compress.defensivekv import DefensiveKV, defensive_aggregation, mass_first_stage
 from kvlocal.reference.compress.evict_merge import EvictThenMerge, evict_budget
+from kvlocal.reference.compress.full import Full
 from kvlocal.reference.compress.kvslimmer import (
     KVSlimmer,
     MeanMerge,
@@ -45,7 +51,28 @@ from kvlocal.reference.compress.kvslimmer import (
 from kvlocal.reference.compress.snapkv import SnapKV, pool1d
 from kvlocal.reference.compress.streaming import StreamingLLM
 
+ENTRY_POINTS = "kvlocal.reference_methods"
+METHODS: dict = {}  # name -> twin(n_sink), for every method of kvlocal.compress.METHODS
+
+
+def discover() -> dict:
+    """Fill :data:`METHODS` from this package's modules and the entry point group :data:`ENTRY_POINTS`."""
+    return registry.discover(__name__, ENTRY_POINTS, METHODS)
+
+
+def make_twin(name: str, n_sink: int = 4):
+    """The PyTorch twin of the engine's method ``name`` with its default hyperparameters; KeyError if it has none."""
+    return METHODS[name](n_sink)
+
+
+discover()
+
 __all__ = [
+    "ENTRY_POINTS",
+    "Full",
+    "METHODS",
+    "discover",
+    "make_twin",
     "AdaKV",
     "CriticalKV",
     "DefensiveKV",

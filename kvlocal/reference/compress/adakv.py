@@ -9,6 +9,7 @@ import torch
 
 from kvlocal.reference.cache import LayerKV
 from kvlocal.reference.compress.base import KeepPlan, Observation, Scorer, order_desc, select
+from kvlocal.reference.compress.criticalkv import CriticalKV
 from kvlocal.reference.compress.snapkv import SnapKV
 
 
@@ -118,3 +119,9 @@ class AdaKV(Scorer):
         scores = self.press.score(kv, obs)
         budgets = adakv_budgets(scores, budget, kv.pos, self.alpha, self.mode, self.max_share)
         return select(self.press.rerank(kv, obs, scores, budgets), budgets, kv.pos)
+
+
+METHODS = {  # the twins of kvlocal.compress's, by name
+    "adakv": lambda n_sink: AdaKV(SnapKV(n_sink=n_sink)),
+    "criticalkv+adakv": lambda n_sink: AdaKV(CriticalKV(SnapKV(n_sink=n_sink))),
+}

@@ -87,3 +87,6 @@ class CriticalKV(Scorer):
         scores = self.press.rerank(kv, obs, scores, budgets)
         vnorm = projected_value_norms(kv.v, obs.wo, obs.q.shape[0], {"l1": 1, "l2": 2}[self.value_norm])
         return two_stage(scores, vnorm, budgets, kv.pos, self.first_stage_ratio, self.epsilon)
+
+
+METHODS = {"criticalkv": lambda n_sink: CriticalKV(SnapKV(n_sink=n_sink))}  # the twin of kvlocal.compress's

@@ -121,3 +121,6 @@ class DefensiveKV(Scorer):
             first = mass_first_stage(mean_attn[g], prefix[g], protected[g], room, kv.pos[g], self.first_stage_mass)
             crit[g, first] = math.inf
         return crit
+
+
+METHODS = {"defensivekv": lambda n_sink: DefensiveKV(n_sink=n_sink)}  # the twin of kvlocal.compress's

@@ -9,6 +9,7 @@ from kvlocal.reference.cache import LayerKV
 from kvlocal.reference.compress.base import Observation, Scorer
 from kvlocal.reference.compress.criticalkv import CriticalKV
 from kvlocal.reference.compress.kvslimmer import KVSlimmer, MergeGroups
+from kvlocal.reference.compress.snapkv import SnapKV
 
 
 def evict_budget(budget: int, merge_ratio: float) -> int:
@@ -44,3 +45,8 @@ class EvictThenMerge:
         groups = self.merger.compress(kv, obs, budget)
         members = [[kept.keep[h][rows] for rows in per_head] for h, per_head in enumerate(groups.members)]
         return MergeGroups(members=members, weights=groups.weights, rounds=groups.rounds)
+
+
+METHODS = {  # the twin of kvlocal.compress's, by name
+    "criticalkv+kvslimmer": lambda n_sink: EvictThenMerge(CriticalKV(SnapKV(n_sink=n_sink)), KVSlimmer(n_sink=n_sink)),
+}

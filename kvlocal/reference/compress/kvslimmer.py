@@ -272,3 +272,9 @@ class MeanMerge(KVSlimmer):
     def key_weights(self, a1, a2, v1, v2, o) -> tuple[torch.Tensor, torch.Tensor]:
         half = torch.full(torch.as_tensor(a1).shape, 0.5, dtype=torch.float64)
         return half, half.clone()
+
+
+METHODS = {  # the twins of kvlocal.compress's, by name
+    "kvslimmer": lambda n_sink: KVSlimmer(n_sink=n_sink),
+    "meanmerge": lambda n_sink: MeanMerge(n_sink=n_sink),
+}

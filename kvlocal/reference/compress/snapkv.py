@@ -80,3 +80,6 @@ class SnapKV(Scorer):
             pooled = pool1d(votes[g * group : (g + 1) * group, rows], self.kernel_size, self.pooling)  # [G, m]
             scores[g, rows] = pooled.mean(dim=0)
         return scores.masked_fill(protected_mask(kv, self.n_sink, q_pos), math.inf)
+
+
+METHODS = {"snapkv": lambda n_sink: SnapKV(n_sink=n_sink)}  # the twin of kvlocal.compress's, by name

@@ -33,3 +33,6 @@ class StreamingLLM(Scorer):
         scores = kv.pos.to(torch.float32)
         scores = scores.masked_fill(live & (kv.pos < self.n_sink), math.inf)
         return scores.masked_fill(~live, -math.inf)
+
+
+METHODS = {"streaming": lambda n_sink: StreamingLLM(n_sink=n_sink)}  # the twin of kvlocal.compress's, by name

@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlocal.compress import LayerInputs, Plan, kernels
+from kvlocal import kernels
+from kvlocal.compress import LayerInputs, Plan
 from kvlocal.compress.base import RowSource
 from kvlocal.compress.plan import merge_values, merge_weights
-from kvlocal.runtime.backend import CacheRead, KVBackend, RowRecord
+from kvlocal.backends.base import CacheRead, KVBackend, RowRecord
 from kvlocal.runtime.seqstate import row_bytes, row_format, rows_from_bytes, rows_to_bytes
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from kvlocal.compress import LayerInputs, Plan
 from kvlocal.compress.plan import cell_rows
-from kvlocal.runtime.backend import CacheRead, KVBackend, RowRecord, count_bias
+from kvlocal.backends.base import CacheRead, KVBackend, RowRecord, count_bias
 from kvlocal.runtime.hostview import STATE_IO_ENV, HostView
 from kvlocal.runtime.seqstate import blob_rows
 from kvlocal.runtime.state import read_seq, write_seq

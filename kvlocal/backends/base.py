@@ -2,10 +2,10 @@
 
 One small interface (:class:`KVBackend`), two implementations:
 
-- :class:`~kvlocal.runtime.backend_state.StateBackend` — the cells are read to the host through llama.cpp's
+- :class:`~kvlocal.backends.state.StateBackend` — the cells are read to the host through llama.cpp's
   sequence state, scored there (numpy + C) and loaded back. Works on any llama.cpp build; the oracle the
   native backend is tested against.
-- :class:`~kvlocal.runtime.backend_native.NativeBackend` — the patched llama.cpp scores the cells and moves
+- :class:`~kvlocal.backends.native.NativeBackend` — the patched llama.cpp scores the cells and moves
   the kept rows on the device that holds them (``llama_kv_score``, ``llama_kv_compact``); only queries,
   scores, positions and indices cross to the host, and the rows a scorer reads itself (a merge's members).
 
@@ -231,13 +231,16 @@ def count_bias(counts: np.ndarray) -> np.ndarray | None:
 
 
 def resolve_backend(backend: str, type_k: int | None = None, type_v: int | None = None,
-                    offloaded: bool = True, recall: bool = False, head_dims: tuple[int, int] | None = None) -> str:
+                    offloaded: bool = True, recall: bool = False, head_dims: tuple[int, int] | None = None,
+                    remote: bool = False) -> str:
     """The KV backend an engine runs compression on: ``native`` or ``state``. UsageError, naming the fix, for
     ``native`` where it cannot run.
 
     ``auto`` picks native where it can run and the model is ``offloaded`` to a GPU (its cache then stays on
     the device instead of crossing PCIe twice per event), and state on the CPU, where the cache is in host
-    memory either way and the host scorers measured faster (docs/engine.md, "Native backend").
+    memory either way and the host scorers measured faster (docs/engine.md, "Native backend"). ``remote``: some
+    layers' cache is on an rpc-server, where native sends indices and scores, state the rows themselves, twice
+    (docs/distributed.md): native too.
     ``head_dims`` (K, V; None before the model is loaded): a quantized cache's rows move on the device as the
     4-byte words their bytes are, which a row of one block (a head of 32 dimensions) is not."""
     if backend not in BACKEND_NAMES:
@@ -252,7 +255,7 @@ def resolve_backend(backend: str, type_k: int | None = None, type_v: int | None 
     elif not has_native_compression():
         why = "this llama.cpp has no on-device compression (patches 0009-0010): run `python ggml_patches/build.py`"
     if why is None:
-        return "native" if backend == "native" or (offloaded and runtime_info().gpu_offload) else "state"
+        return "native" if backend == "native" or remote or (offloaded and runtime_info().gpu_offload) else "state"
     if backend == "native":
         raise UsageError(f"--backend native: {why}; use --backend state")
     return "state"

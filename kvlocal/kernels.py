@@ -1,4 +1,8 @@
-"""numpy front end of the native CPU kernels (kernels/cpu, compiled into ``kvlocal._kernels``)."""
+"""numpy front end of the native CPU kernels (kernels/cpu, compiled into ``kvlocal._kernels``).
+
+Its own layer, below everything that calls a kernel: the scorers (``kvlocal.compress``), the runtime's views of
+the cache (``kvlocal.runtime.hostview``, ``seqstate``, ``kvquant``), the recall tier and the GGUF reader
+(``kvlocal.models.gguf_file``) all import it, and it imports nothing of kvlocal (``tests/test_layers.py``)."""
 
 from __future__ import annotations
 
@@ -340,3 +344,21 @@ def attention_keep(votes, q, q_pos, k, v, pos, bias, *, n_sink: int, recent: int
     if vn is not None and vn is not vnorm:
         vnorm[...] = vn
     return keep[:, max_width - width[0]:max_width].astype(np.int64)
+
+
+def native_scoring() -> bool:
+    """Whether the scorers run the C scoring kernels (True) or their numpy definitions (False).
+
+    The kernels are used where they have wide vectors (AVX2+FMA or AVX-512, chosen at run time). The
+    generic build (SSE2 on x86-64, NEON on arm64) loses to numpy, whose BLAS has them: measured on
+    x86-64 with ``python -m tools.bench_kernels --simd generic`` (docs/engine.md § a layer's selection in one call).
+    """
+    return simd_level() != "generic"
+
+
+def as_f32(rows: np.ndarray) -> np.ndarray:
+    """``rows`` as a C-contiguous float32 array: half floats [H, n, d] or [n, d] by :func:`f16_heads_f32`
+    where that is faster (:func:`native_scoring`), anything else by numpy. Exact either way."""
+    if rows.dtype == np.float16 and rows.ndim in (2, 3) and native_scoring():
+        return f16_heads_f32(rows) if rows.ndim == 3 else f16_heads_f32(rows[None])[0]
+    return np.ascontiguousarray(rows, dtype=np.float32)

@@ -1,0 +1,299 @@
+"""Compressed runs on llama.cpp's RPC backend, on loopback (issue 63; docs/distributed.md).
+
+Two ``kvlocal rpc-server`` processes on 127.0.0.1 (CPU devices) hold two thirds of SmolLM2-135M's layers, their KV
+cache and the output layer; the CPU backend computes the same arithmetic there as here, so a compressed run split across
+them keeps the same rows, decodes the same tokens and ends with the same logits as the same run on one machine.
+Every wait is bounded and every server is killed at the end. Without a runtime built with the RPC backend and
+its rpc-server (``python ggml_patches/build.py``) the tests skip locally and fail under CI (tests/policy.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from policy import missing
+
+from kvlocal.errors import UsageError
+
+REPO = Path(__file__).resolve().parent.parent
+N_REMOTE = 20  # SmolLM2's layers 11-29 and its output (llama.cpp's layer 30) on the servers, half each; 0-10 here
+THREADS = 2
+
+
+def rpc_runtime() -> None:
+    """Skip (fail under CI) unless the runtime has the RPC backend and its rpc-server."""
+    from kvlocal.runtime import rpc
+
+    try:
+        ok = rpc.has_rpc() and rpc.server_binary() is not None
+    except UsageError as e:
+        missing(f"no llama.cpp runtime: {e}")
+    if not ok:
+        missing("this llama.cpp runtime has no RPC backend or no rpc-server: rerun `python ggml_patches/build.py` "
+                "(GGML_RPC=ON), or point LLAMA_CPP_LIB_PATH at such a build")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"rpc-server on port {port} exited with {proc.returncode}: {proc.stderr.read()}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"rpc-server on port {port} did not listen within {timeout} s")
+
+
+def die_with_parent() -> None:
+    """(Linux) the child is killed when the test process dies, however it dies: no server outlives a killed run."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Servers:
+    """rpc-servers started with ``kvlocal rpc-server`` on free loopback ports; :meth:`stop` kills them all."""
+
+    def __init__(self, n: int = 2):
+        self.procs: dict[str, subprocess.Popen] = {}
+        try:
+            for _ in range(n):
+                port = free_port()
+                proc = subprocess.Popen([sys.executable, "-m", "kvlocal", "rpc-server", "--port", str(port),
+                                         "--threads", "1"], cwd=REPO, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+                self.procs[f"127.0.0.1:{port}"] = proc
+                wait_listening(port, proc)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return tuple(self.procs)
+
+    def kill(self, endpoint: str) -> None:
+        proc = self.procs[endpoint]
+        proc.kill()
+        proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        gc.collect()  # contexts and models left to the collector free their remote buffers while the servers live
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+            proc.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def servers():
+    rpc_runtime()
+    s = Servers()
+    yield s
+    s.stop()
+
+
+def prompt_tokens(model, n: int = 600) -> list[int]:
+    facts = " ".join(f"Locker {i} holds a {['red', 'blue', 'green', 'gold'][i % 4]} key numbered {i * 37 % 1000}."
+                     for i in range(200))
+    return model.tokenize(facts)[:n]
+
+
+def run(model, backend: str, method: str, recall: bool, tokens: list[int]):
+    """A compressed run: a prefill with events, a question that re-selects (recall), 24 greedy tokens."""
+    from kvlocal.engine import Engine
+
+    eng = Engine(model, 128, method, max_tokens=len(tokens) + 64, chunk=64, recent=16, n_threads=THREADS,
+                 backend=backend, recall=recall, recall_steps=3,  # (each answer step that swaps costs a re-selection)
+                 method_params={"value_norm": "l1"} if "criticalkv" in method else None)
+    eng.prefill(tokens[:-16], probe=tokens[-16:])
+    eng.append(tokens[-16:], recall=recall)
+    reply = list(eng.generate(16, stop_at_eog=False))
+    return eng, reply
+
+
+@pytest.fixture(scope="module")
+def models(servers, smollm2):
+    from kvlocal.runtime import Model
+
+    split = Model(smollm2, n_gpu_layers=N_REMOTE, rpc=servers.endpoints, tensor_split=(1, 1))
+    local = Model(smollm2)
+    yield split, local
+    split.close()  # before the servers stop: freeing a remote buffer on a dead server aborts (ggml-rpc)
+    local.close()
+
+
+def test_the_split_model_puts_layers_on_both_servers(models, servers):
+    split, local = models
+    assert split.rpc == servers.endpoints and split.remote and not local.remote
+    assert [d.split()[1] for d in split.devices] == [f"({ep})" for ep in servers.endpoints]
+    from kvlocal.engine import Engine
+
+    # auto: the cache is partly remote, where native sends indices and scores instead of rows
+    for model, backend in ((split, "native"), (local, "state")):
+        eng = Engine(model, 128, "criticalkv", max_tokens=256)
+        eng.close()
+        assert eng.backend == backend
+
+
+@pytest.mark.parametrize("backend", ["native", "state"])
+@pytest.mark.parametrize("method,recall", [("criticalkv", True), ("kvslimmer", False)])
+def test_a_split_run_keeps_and_decodes_as_a_local_one(models, backend, method, recall):
+    """The same kept rows (every plan's positions and counts), the same greedy reply and the same next-token logits
+    on the split model as on the local one; with the recall tier, the same rows back from it."""
+    split, local = models
+    tokens = prompt_tokens(local)
+    a, reply_a = run(split, backend, method, recall, tokens)
+    b, reply_b = run(local, backend, method, recall, tokens)
+    try:
+        compare(split, a, b, reply_a, reply_b, backend, method, recall)
+    finally:
+        a.close()
+        b.close()
+
+
+def compare(split, a, b, reply_a, reply_b, backend: str, method: str, recall: bool) -> None:
+    """The split run `a` against the local run `b`: the assertions, and the line the closing note quotes."""
+    assert a.backend == b.backend == backend
+    assert a.stats.compression_events == b.stats.compression_events > 2
+    for pa, pb in ((a.prompt_plan, b.prompt_plan), (a.last_plan, b.last_plan)):
+        assert np.array_equal(pa.positions, pb.positions) and np.array_equal(pa.counts, pb.counts)
+    if recall:
+        assert a.tier.rows_out == b.tier.rows_out > 0 and a.stats.recall_rows_in == b.stats.recall_rows_in > 0
+    if method == "kvslimmer":
+        assert a.last_plan.merged().any()
+    assert reply_a == reply_b
+    np.testing.assert_allclose(a.logits, b.logits, rtol=0, atol=1e-3)
+    print(f"\n{backend} {method}{' +recall' if recall else ''}: {a.stats.compression_events} events, "
+          f"{int((a.last_plan.positions >= 0).sum())} kept rows identical; reply {split.detokenize(reply_a)!r} on both; "
+          f"max |logit difference| {np.abs(a.logits - b.logits).max():.2e}")
+
+
+def test_an_unreachable_or_stock_server_is_refused_in_one_line(smollm2, stock_runtime):
+    """A port where nothing listens, and a stock rpc-server (its flash attention ignores the attention bias): each
+    refused before llama.cpp connects (ggml-rpc would abort the process), in one line naming the server."""
+    rpc_runtime()
+    from kvlocal.runtime import Model
+
+    port = free_port()
+    with pytest.raises(UsageError, match=f"rpc-server 127.0.0.1:{port} cannot be reached"):
+        Model(smollm2, n_gpu_layers=4, rpc=f"127.0.0.1:{port}")
+    stock = stock_runtime / "llama_cpp" / "lib" / "ggml-rpc-server"
+    if not stock.exists():
+        missing(f"the unpatched runtime in {stock_runtime} has no rpc-server: delete it and rebuild it "
+                f"(`python ggml_patches/build.py --stock {stock_runtime}`)")
+    port = free_port()
+    proc = subprocess.Popen([str(stock), "--port", str(port), "--threads", "1"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_listening(port, proc)
+        with pytest.raises(UsageError, match=f"rpc-server 127.0.0.1:{port} runs RPC protocol 7.0.0 with a stock ggml"):
+            Model(smollm2, n_gpu_layers=4, rpc=f"127.0.0.1:{port}")
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_doctor_lists_the_servers_devices():
+    """Servers of their own: an rpc-server serves one client at a time, and the module's split model holds both of
+    the module's (a doctor asking them then says they are busy)."""
+    from conftest import run_cli
+
+    rpc_runtime()
+    s = Servers()
+    try:
+        r = run_cli("doctor", "--rpc", ",".join(s.endpoints), timeout=120)
+    finally:
+        s.stop()
+    for ep in s.endpoints:
+        assert f"{ep} device 0:" in r.stdout and "GiB free (RPC protocol 7.0.0)" in r.stdout, r.stdout
+        assert f"{ep}: kvlocal's patched ggml" in r.stdout
+    bad = run_cli("doctor", "--rpc", "nohost", timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "HOST:PORT" in bad.stderr
+
+
+KILLED = """
+import sys
+from kvlocal.engine import Engine
+from kvlocal.runtime import Model
+model = Model(sys.argv[1], n_gpu_layers={n}, rpc=sys.argv[2].split(","), tensor_split=(1, 1))
+tokens = model.tokenize(" ".join(f"Item {{i}} is on shelf {{i % 7}}." for i in range(60)))
+eng = Engine(model, 128, "criticalkv", max_tokens=len(tokens) + 4000, chunk=64, n_threads=2, backend="native")
+eng.prefill(tokens)
+for i, tok in enumerate(eng.generate(4000, stop_at_eog=False)):
+    print(i, flush=True)
+"""
+
+
+def test_a_server_killed_mid_reply_ends_the_run_with_one_line(smollm2):
+    """ggml-rpc aborts the process when a server stops answering; kvlocal's abort callback makes that one line
+    naming the dead server, and the run ends (exit 1) instead of hanging or dumping a C backtrace."""
+    rpc_runtime()
+    s = Servers()
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", KILLED.format(n=N_REMOTE), str(smollm2), ",".join(s.endpoints)],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "0", proc.stderr.read()  # the reply has begun
+            dead = s.endpoints[1]
+            s.kill(dead)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=10)
+        lines = err.strip().splitlines()
+        assert proc.returncode == 1, err
+        assert len(lines) == 1 and lines[0].startswith(f"kvlocal: error: rpc-server {dead} stopped mid-computation"), err
+        assert "restart it (`kvlocal rpc-server`)" in lines[0]
+        print("\n" + lines[0])
+    finally:
+        s.stop()
+
+
+def test_the_front_doors_take_rpc(servers, smollm2, tmp_path, capsys):
+    """``--rpc`` on ``kvlocal run`` and ``rpc=`` in ``kvlocal.Chat`` split the model over the servers and give the
+    greedy reply the same command gives locally."""
+    from kvlocal import Chat
+    from kvlocal.cli import main
+    from kvlocal.runtime import Sampler
+
+    doc = tmp_path / "prompt.txt"
+    doc.write_text(" ".join(f"Locker {i} holds a key numbered {i * 37 % 1000}." for i in range(120))
+                   + "\nWhich number does the key in locker 17 have?")
+    common = ["run", str(smollm2), "--prompt-file", str(doc), "-n", "12", "--temp", "0", "--budget", "0.2",
+              "-t", str(THREADS)]
+    replies = []
+    for extra in ([], ["-ngl", str(N_REMOTE), "--rpc", ",".join(servers.endpoints)]):
+        assert main(common + extra) == 0
+        replies.append(capsys.readouterr().out)
+    assert replies[0] and replies[0] == replies[1], replies
+
+    said = []
+    for kw in ({}, {"n_gpu_layers": N_REMOTE, "rpc": ",".join(servers.endpoints)}):
+        chat = Chat(str(smollm2), budget=256, n_threads=THREADS, sampler=Sampler(temp=0), **kw)
+        try:
+            assert chat.model.remote == bool(kw)
+            said.append(chat.ask("Name three colours.", max_tokens=12))
+        finally:
+            chat.close()
+            gc.collect()  # its remote buffers freed while the servers run
+    assert said[0] and said[0] == said[1], said
