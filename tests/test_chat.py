@@ -249,3 +249,13 @@ def test_value_norm_reaches_the_scorer_and_the_saved_session(smollm2_model, tmp_
                      (dict(prefill_observe="question"), "give one of probe, window")):
         with pytest.raises(UsageError, match=says):
             Chat(smollm2_model, sampler=Sampler(), budget=128, **kw)
+
+
+def test_a_long_line_of_text_is_read_as_text_not_looked_up_as_a_file():
+    """``Chat.read("…")`` of one line longer than a file name may be (255 bytes) is the text: looking it up as a
+    path raised OSError (ENAMETOOLONG) before."""
+    from kvlocal.chat.chat import _document
+
+    line = " ".join(f"Locker {i} holds key {i * 37 % 1000}." for i in range(40))
+    assert len(line) > 255 and "\n" not in line
+    assert _document(line, None) == (line, None)

@@ -297,3 +297,34 @@ def test_the_front_doors_take_rpc(servers, smollm2, tmp_path, capsys):
             chat.close()
             gc.collect()  # its remote buffers freed while the servers run
     assert said[0] and said[0] == said[1], said
+
+
+def test_a_chat_saved_on_a_split_model_continues_locally(servers, smollm2, tmp_path):
+    """A chat read and asked on a model split over the servers, saved, loads on this machine alone and goes on
+    as the same chat run locally from the start: the cache a split run saves is the one a local run holds."""
+    from kvlocal import Chat
+    from kvlocal.runtime import Sampler
+
+    doc = " ".join(f"Locker {i} holds a {['red', 'blue', 'green', 'gold'][i % 4]} key numbered {i * 37 % 1000}."
+                   for i in range(80))
+
+    def chat(**kw):  # native both: auto picks it for the split model, state for the local one
+        return Chat(str(smollm2), budget=128, backend="native", n_threads=THREADS, sampler=Sampler(temp=0), **kw)
+
+    replies = {}
+    for where, kw in (("local", {}), ("split", {"n_gpu_layers": N_REMOTE, "rpc": ",".join(servers.endpoints)})):
+        c = chat(**kw)
+        try:
+            c.read(doc)
+            first = c.ask("Which colour is the key in locker 9?", max_tokens=10)
+            c.save(tmp_path / f"{where}.kvl")
+        finally:
+            c.close()
+            gc.collect()  # its remote buffers freed while the servers run
+        again = Chat.load(tmp_path / f"{where}.kvl", sampler=Sampler(temp=0), n_threads=THREADS)  # on this machine
+        try:
+            replies[where] = (first, again.ask("And the number of the key in locker 12?", max_tokens=10))
+        finally:
+            again.close()
+    print(replies)
+    assert replies["local"][0] and replies["split"] == replies["local"]

@@ -508,10 +508,18 @@ def _new_messages(message) -> list[dict]:
     return [dict(m) for m in new]
 
 
+def _names_a_file(text: str) -> bool:
+    """Whether ``text`` is the path of something that exists (a line of prose longer than a file name may be is
+    not: the system refuses to look it up)."""
+    try:
+        return len(text) < 4096 and Path(text).expanduser().exists()
+    except OSError:  # ENAMETOOLONG
+        return False
+
+
 def _document(source: str | os.PathLike, name: str | None) -> tuple[str, str | None]:
     """(text, name) of a document given as a path or as the text itself."""
-    if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source and len(source) < 4096
-                                           and Path(source).expanduser().exists()):
+    if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source and _names_a_file(source)):
         path = Path(source).expanduser()
         if path.is_dir():  # a pipe or a device is read as it comes (a process substitution, /dev/stdin)
             raise UsageError(f"{path} is a folder: give a text file")
