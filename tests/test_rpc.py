@@ -328,3 +328,68 @@ def test_a_chat_saved_on_a_split_model_continues_locally(servers, smollm2, tmp_p
             again.close()
     print(replies)
     assert replies["local"][0] and replies["split"] == replies["local"]
+
+
+KILLED_AT = """
+import sys
+from kvlocal.engine import Engine
+from kvlocal.runtime import Model
+
+where, swapping = sys.argv[3], []
+apply, reselect = Engine._apply, Engine._reselect
+
+
+def paused_apply(self, read, plan):  # the event's rows scored and its plan made: the parent kills a server now
+    if where == "event" or swapping:
+        print("at", flush=True)
+        sys.stdin.readline()  # (the parent writes once the server is dead; bounded by its timeout)
+    return apply(self, read, plan)
+
+
+def marked_reselect(self, *args, **kwargs):
+    swapping.append(1)
+    return reselect(self, *args, **kwargs)
+
+
+Engine._apply, Engine._reselect = paused_apply, marked_reselect
+model = Model(sys.argv[1], n_gpu_layers={n}, rpc=sys.argv[2].split(","), tensor_split=(1, 1))
+tokens = model.tokenize(" ".join(f"Item {{i}} is on shelf {{i % 7}}." for i in range(60)))
+eng = Engine(model, 128, "criticalkv", max_tokens=len(tokens) + 400, chunk=64, n_threads=2, backend="native",
+             recall=where == "swap")
+if where == "swap":
+    Engine._apply = apply  # the reading's events go through; the question's swap stops
+    eng.prefill(tokens)
+    Engine._apply = paused_apply
+    eng.append(model.tokenize(" Which shelf holds item 12?", add_special=False), recall=True)
+else:
+    eng.prefill(tokens)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("where", ["event", "swap"])
+def test_a_server_killed_mid_event_or_swap_ends_the_run_with_one_line(smollm2, where):
+    """A server that dies between a compression event's scoring and its compaction — or inside a recall swap, after
+    its rows are read and before they are written — ends the run the same way: one line naming it, exit 1."""
+    rpc_runtime()
+    s = Servers()
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", KILLED_AT.format(n=N_REMOTE), str(smollm2),
+                                 ",".join(s.endpoints), where], cwd=REPO, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "at", proc.stderr.read()
+            dead = s.endpoints[0]
+            s.kill(dead)
+            out, err = proc.communicate("go\n", timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=10)
+        lines = err.strip().splitlines()
+        assert proc.returncode == 1 and "done" not in out, (out, err)
+        assert len(lines) == 1 and lines[0].startswith(f"kvlocal: error: rpc-server {dead} "), err
+        assert "restart it (`kvlocal rpc-server`)" in lines[0]
+        print("\n" + lines[0])
+    finally:
+        s.stop()
