@@ -20,8 +20,9 @@ The policy — every test file follows it:
 The suite runs on every core in parallel (pytest-xdist, ``-n auto`` in pyproject.toml): each worker is pinned
 to its own share of the cores, so llama.cpp's threads (``default_threads``: the cores a process may use), torch's
 and the CLI's subprocesses never contend for one core; where the OS cannot pin (macOS) it runs in one process.
-A test of 20 s or more carries ``@pytest.mark.slow(seconds)``, its measured time: the long tests run first, so that
-neither worker ends the run alone on one of them.
+A test of 4 s or more carries ``@pytest.mark.slow(seconds)``, its measured time on one core: the long tests run
+first, so that neither worker ends the run alone on one of them, and ``pytest -m "not slow"`` — the development
+lane — leaves them out (docs/development.md).
 ``-n 0`` runs it in one process, as a debugger wants.
 """
 

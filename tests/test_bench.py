@@ -67,6 +67,7 @@ def test_overhead_compares_the_levers_side_by_side(smollm2):
     assert_usage_error(run_cli("bench", str(smollm2), "--overhead", "--chunks", "0"), "--chunks")
 
 
+@pytest.mark.slow(12)
 def test_overhead_compares_low_waters(smollm2):
     """``--low-waters 1 0.5``: the same prompt in the same cells, read with fewer events where they leave half the
     budget."""
@@ -79,6 +80,7 @@ def test_overhead_compares_low_waters(smollm2):
     assert 1 < half["events"] < whole["events"]
 
 
+@pytest.mark.slow(16)
 def test_overhead_compares_the_probe_with_the_chunks_window(smollm2):
     """``--prefill-observe probe window``: the probe decoded (once in 1 and in 3 events) and each event before the
     prompt's last scored by its chunk's own window (one row: no decode to spread), the same events; refused without
@@ -95,6 +97,7 @@ def test_overhead_compares_the_probe_with_the_chunks_window(smollm2):
     assert_usage_error(run_cli("bench", str(smollm2), "--prefill-observe", "window"), "add --overhead")
 
 
+@pytest.mark.slow(12)
 def test_overhead_with_the_recall_tier(smollm2, smollm2_model):
     """``--recall on``: the compressed runs keep a recall tier, as ``kvlocal chat`` does by default (so the engine's
     low water is the tier's); refused with ``--recall-cost``, which always reads with one. ``--probes question
@@ -119,6 +122,7 @@ def test_overhead_with_the_recall_tier(smollm2, smollm2_model):
     assert_usage_error(run_cli("bench", str(smollm2), "--probes", "generic"), "add --overhead")
 
 
+@pytest.mark.slow(13)
 def test_overhead_compares_the_value_norms(smollm2):
     """``--value-norms l1 l2``: CriticalKV with the paper's L1 norms and with L2 (through W_O's d x d factor) on the
     same prompt and events; refused without ``--overhead`` and for a method without value norms."""
@@ -190,6 +194,7 @@ def test_backends_side_by_side_on_a_quantized_cache(smollm2):
         assert_usage_error(run_cli("bench", str(smollm2), mode, "--cache", "q8_0"), mode)
 
 
+@pytest.mark.slow(8)
 def test_an_option_without_the_mode_that_reads_it_is_refused(smollm2):
     """Every option only some modes read is refused without one of them, naming the mode to add: the plain side by
     side ran a whole 8K bench with ``--contexts 10`` ignored. Refused before the model is read (no run starts)."""

@@ -42,6 +42,7 @@ def saved_chat(smollm2_model, tmp_path_factory):
     return path, messages, r2
 
 
+@pytest.mark.slow(8)
 def test_saved_session_gives_the_identical_next_reply_in_a_new_process(saved_chat, smollm2):
     path, messages, r2 = saved_chat
     code = ("import json, sys, kvlocal; c = kvlocal.Chat.load(sys.argv[1], sampler=kvlocal.runtime.Sampler()); "
@@ -222,6 +223,7 @@ def test_saved_merged_and_sliding_window_sessions_reload(request, tmp_path, mode
         assert chat.ask(Q2, 12) == expected
 
 
+@pytest.mark.slow(8)
 def test_value_norm_reaches_the_scorer_and_the_saved_session(smollm2_model, tmp_path):
     """Chat(value_norm="l1") (kvlocal chat/serve --value-norm) ranks CriticalKV's values by the paper's L1 instead of
     the default L2, and a saved session keeps it (and the reading's low water and observation); a method without the

@@ -219,6 +219,7 @@ def test_make_scorer_and_checks():
         DefensiveKV().keep(LayerInputs(k=layer.k, v=layer.v, pos=layer.pos, q=layer.q, q_pos=layer.q_pos), 10)
 
 
+@pytest.mark.slow(7)
 def test_engine_compresses_and_generates(smollm2_model):
     """SmolLM2 at 20% of 400 tokens of sample.txt: several events, each layer and head keeps the budget
     with the sinks and the recent window, heads keep different sets, the value norms were computed (W_O

@@ -325,6 +325,7 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+@pytest.mark.slow(17)
 def test_kept_sets_match_the_reference_scorer(run, comparison, ref_model, smollm2_model):
     from kvlocal.reference import compress as rc
 
@@ -439,6 +440,7 @@ def decode_run(model, text_tokens, probe_kind: str, n_gen: int = 150):
 
 
 @pytest.mark.parametrize("probe_kind", ["question", "agnostic"])
+@pytest.mark.slow(6)
 def test_decode_time_compression(smollm2_model, text_tokens, probe_kind):
     eng, prompt, before, live = decode_run(smollm2_model, text_tokens, probe_kind)
     slack = eng.slack
@@ -460,6 +462,7 @@ def test_decode_time_compression(smollm2_model, text_tokens, probe_kind):
     assert np.all(np.diff(cells(eng)) > 0) and cells(eng).max() < eng.n_past
 
 
+@pytest.mark.slow(7)
 def test_low_water_reads_a_prompt_in_fewer_events_in_the_same_cells(smollm2_model, text_tokens):
     """``low_water``: a prompt's events before its last leave a share of the budget, so the next chunks are
     longer and fewer events read the prompt — in the same context, and the last event leaves the whole budget."""
@@ -638,6 +641,7 @@ def test_cli_json_and_dump_plan(smollm2, smollm2_model, prompt_file, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["adakv", "criticalkv+adakv", "kvslimmer", "meanmerge", "criticalkv+kvslimmer"])
+@pytest.mark.slow(15)
 def test_cli_json_and_dump_plan_of_every_method(smollm2, smollm2_model, prompt_file, tmp_path, method):
     """Head budgets and merges reach the CLI: the dumped plan has empty slots (AdaKV: a layer's cells hold
     its widest head, within the budget's cells: a mean share of budget / 2) or merged slots with their members,

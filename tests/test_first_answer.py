@@ -96,6 +96,7 @@ def test_a_reply_the_model_ends_is_stop_and_one_cut_short_is_length(smollm2_mode
         assert chat.finish_reason == "length"
 
 
+@pytest.mark.slow(4)
 def test_the_repl_says_why_a_reply_stopped(smollm2):
     r = run_cli("chat", str(smollm2), "--temp", "0", "--repeat-penalty", "1", "-n", "256", "-t", "1", input=FRANCE + "\n")
     assert r.returncode == 0, r.stderr

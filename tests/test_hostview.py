@@ -87,6 +87,7 @@ def test_an_event_in_place_leaves_the_cells_an_event_through_the_blob_leaves(smo
 
 
 @pytest.mark.parametrize("method", ["criticalkv", "kvslimmer", "adakv"])
+@pytest.mark.slow(34)
 def test_a_prefill_in_place_equals_one_through_the_blob(smollm2_model, method, monkeypatch):
     """An engine's whole prompt in chunks of 64, an event after each, then (CriticalKV, with the recall tier) a
     question that brings rows back from the tier: the same plans, tier and logits bit for bit. The prompt's events

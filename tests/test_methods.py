@@ -131,6 +131,7 @@ def toy_method(tmp_path, monkeypatch):
     kvlocal.reference.compress.discover()
 
 
+@pytest.mark.slow(7)
 def test_a_new_method_is_one_scorer_file_and_its_twin(toy_method, smollm2, smollm2_model):
     """Two files make a method: its name is listed (help text, errors), its twin keeps the same cells, and it
     compresses a real model's cache in the engine on both KV backends, in a chat, in the server (a request's

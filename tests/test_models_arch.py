@@ -135,6 +135,7 @@ def test_quantized_kv_cache_bytes_are_measured(smollm2_model, prose):
 # -- the state backend on an iSWA memory ------------------------------------------------------------
 
 
+@pytest.mark.slow(5)
 def test_gemma3_state_round_trip_is_exact(gemma3_model, prose):
     """Reading Gemma 3's cache (full-attention layers parsed, the sliding cache kept raw) and writing it
     back leaves llama.cpp computing exactly the same next-token logits."""
@@ -244,6 +245,7 @@ def test_lost_cache_stops_the_engine(smollm2_model, prose, monkeypatch, io):
         next(eng.generate(1))
 
 
+@pytest.mark.slow(7)
 def test_decode_time_events_are_scored_by_the_question_and_the_reply(smollm2_model, prose):
     """Decode-time events score the cache with the question's last half-window followed by the reply's
     last half-window (docs/engine.md), so a long reply is judged by what it says now too."""
@@ -399,6 +401,7 @@ def python_sigint():
 
 
 @pytest.mark.parametrize("where, at", [("node", 0.1), ("node", 0.4), ("node", 0.7), ("plan", 0.5)])
+@pytest.mark.slow(27)
 def test_ctrl_c_is_a_clean_stop(smollm2_model, prose, ctrl_c_prefill_calls, monkeypatch, python_sigint, where, at):
     """A real SIGINT (as Ctrl-C sends) at some point of a prefill with compression — inside llama.cpp (from the
     eval callback, at a fraction of the graph nodes the prefill computes) or in Python (a compression event's

@@ -368,6 +368,7 @@ def run_engine(model, backend, method, tokens, budget, n_gen=24, **kw):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.slow(5)
 def test_native_and_state_keep_identical_sets_on_tiny_f32_models(tiny, arch):
     """The same plans and replies on both backends where they compute the same arithmetic: CriticalKV's L1 value
     norms (the paper's; the engine's default is L2, so L1 is named) through W_O on both. Its L2 norms are computed
@@ -599,6 +600,7 @@ def test_backend_choice_and_refusals(smollm2_model):
         Engine(smollm2_model, 64, "criticalkv", max_tokens=512, backend="gpu")
 
 
+@pytest.mark.slow(7)
 def test_cli_backend_flag(smollm2, tmp_path):
     prompt = tmp_path / "p.txt"
     prompt.write_text(sample_text()[:2000])

@@ -165,6 +165,7 @@ def attn_8b(tmp_path_factory) -> Model:
     return Model(path, n_gpu_layers=NGL)
 
 
+@pytest.mark.slow(4)
 def test_llama3_8b_shape_scores_merges_and_compacts_16k_cells(attn_8b):
     """16,384 cells of random F16 rows at Llama-3-8B's per-layer shape: window attention over all of them and value
     norms for 1,024 through the layer's 4096 x 4096 attn_output (against numpy), 64 merges of 40 members a layer, a

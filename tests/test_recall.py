@@ -241,6 +241,7 @@ def test_a_capped_tier_keeps_its_newest_rows_byte_for_byte_under_the_cap(tiny_ll
         e.close()
 
 
+@pytest.mark.slow(8)
 def test_a_turn_is_undone_after_the_cap_dropped_rows(smollm2_model):
     """/regen undoes a turn by reading the rows it evicted back from the tier: the cap keeps those (and the rows the
     device held when the turn began) while the turn may be undone, and drops others, so a chat past its cap regenerates
@@ -437,6 +438,7 @@ def test_a_full_disk_is_one_line_and_nothing_half_done(smollm2, tmp_path):
     assert list(tmp_path.iterdir()) == [prompt]  # no tier file left behind
 
 
+@pytest.mark.slow(4)
 def test_a_saved_chat_carries_its_tier(smollm2_model, tmp_path):
     import kvlocal
     from kvlocal.runtime import Sampler  # greedy: the replies before and after loading are compared
@@ -498,6 +500,7 @@ def test_questions_after_the_document_find_what_eviction_dropped(qwen_model):
     assert sum(off) + 3 <= sum(on) and sum(streaming) + 3 <= sum(on)
 
 
+@pytest.mark.slow(4)
 def test_profile_recall_times_every_part_of_a_swap(smollm2):
     """tools/profile_recall (where a swap's time goes) runs on the engine as it is and times each part it names: a
     part renamed or moved (as when re-selection left engine.py) fails here instead of in the next profile."""
@@ -530,6 +533,7 @@ def test_probe_cost_measures_the_probe_beside_what_the_engine_counts(smollm2):
                         r"[\d.]+ \(-?[\d.]+x\)", cost), r.stdout
 
 
+@pytest.mark.slow(4)
 def test_recall_bounds_measures_the_page_bounds_against_the_exact_logits(smollm2):
     """tools/recall_bounds (how many of the rows a re-selection's queries attend to most the page bounds' candidates
     hold, and the attention mass the bounds allow against the exact one) runs on the engine as it is: candidates of
@@ -547,6 +551,7 @@ def test_recall_bounds_measures_the_page_bounds_against_the_exact_logits(smollm2
     assert bound >= exact >= 0, r.stdout
 
 
+@pytest.mark.slow(5)
 def test_profile_prefill_times_every_part_of_an_event(smollm2):
     """tools/profile_prefill (where a prompt's compression events spend their time, with their page faults) runs on
     the engine as it is, times each part it names, and its engine breakdown is the one `kvlocal bench` reports. It

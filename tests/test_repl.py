@@ -321,6 +321,7 @@ def test_session(term, smollm2, tmp_path):
     print(t.screen())
 
 
+@pytest.mark.slow(4)
 def test_ctrl_c_stops_a_reply_and_keeps_it(term, smollm2, tmp_path):
     """Ctrl-C during a reply stops it and keeps it; during a /read it cancels it; at the prompt it drops the
     line; Ctrl-D exits."""

@@ -156,6 +156,7 @@ def test_the_split_model_puts_layers_on_both_servers(models, servers):
 
 @pytest.mark.parametrize("backend", ["native", "state"])
 @pytest.mark.parametrize("method,recall", [("criticalkv", True), ("kvslimmer", False)])
+@pytest.mark.slow(32)
 def test_a_split_run_keeps_and_decodes_as_a_local_one(models, backend, method, recall):
     """The same kept rows (every plan's positions and counts), the same greedy reply and the same next-token logits
     on the split model as on the local one; with the recall tier, the same rows back from it."""
@@ -243,6 +244,7 @@ for i, tok in enumerate(eng.generate(4000, stop_at_eog=False)):
 """
 
 
+@pytest.mark.slow(5)
 def test_a_server_killed_mid_reply_ends_the_run_with_one_line(smollm2):
     """ggml-rpc aborts the process when a server stops answering; kvlocal's abort callback makes that one line
     naming the dead server, and the run ends (exit 1) instead of hanging or dumping a C backtrace."""
@@ -269,6 +271,7 @@ def test_a_server_killed_mid_reply_ends_the_run_with_one_line(smollm2):
         s.stop()
 
 
+@pytest.mark.slow(21)
 def test_the_front_doors_take_rpc(servers, smollm2, tmp_path, capsys):
     """``--rpc`` on ``kvlocal run`` and ``rpc=`` in ``kvlocal.Chat`` split the model over the servers and give the
     greedy reply the same command gives locally."""
@@ -299,6 +302,7 @@ def test_the_front_doors_take_rpc(servers, smollm2, tmp_path, capsys):
     assert said[0] and said[0] == said[1], said
 
 
+@pytest.mark.slow(18)
 def test_a_chat_saved_on_a_split_model_continues_locally(servers, smollm2, tmp_path):
     """A chat read and asked on a model split over the servers, saved, loads on this machine alone and goes on
     as the same chat run locally from the start: the cache a split run saves is the one a local run holds."""
@@ -368,6 +372,7 @@ print("done", flush=True)
 
 
 @pytest.mark.parametrize("where", ["event", "swap"])
+@pytest.mark.slow(5)
 def test_a_server_killed_mid_event_or_swap_ends_the_run_with_one_line(smollm2, where):
     """A server that dies between a compression event's scoring and its compaction — or inside a recall swap, after
     its rows are read and before they are written — ends the run the same way: one line naming it, exit 1."""

@@ -723,6 +723,7 @@ def test_generation_error_is_500_and_the_server_goes_on(in_process):
     assert len(worker.cache) == 1
 
 
+@pytest.mark.slow(5)
 def test_one_recall_cap_holds_across_conversations(smollm2_model):
     """--recall-mem is one cap for every conversation's recall tier: a second conversation that needs room takes it
     from the first one's oldest rows (counted there, none of its own dropped) — not from the rows the first one's last

@@ -100,6 +100,7 @@ def test_malformed_tool_schemas_are_refused(tools, fragment):
 
 
 # -- kvlocal.Chat on Qwen2.5-Coder-0.5B ----------------------------------------------------------------------
+@pytest.mark.slow(5)
 def test_chat_with_tools_pins_them_and_continues_with_the_result(qwen_model, tmp_path):
     from kvlocal import Chat
     from kvlocal.runtime import Sampler
@@ -143,6 +144,7 @@ def qwen_server(qwen_model):
         yield served
 
 
+@pytest.mark.slow(7)
 def test_openai_client_tool_round_trip(qwen_server):
     """call -> the tool's result -> the next reply, non-streamed and streamed: the same call, the result read
     into the conversation's cached KV (only the tool turn is new)."""
@@ -211,6 +213,7 @@ def test_bad_tool_requests_are_400s(qwen_server, smollm2_model):
         assert r.json()["error"]["param"] == "tools"
 
 
+@pytest.mark.slow(6)
 def test_ollama_client_tools(qwen_server):
     ollama = need("ollama")
     url, _ = qwen_server
@@ -228,6 +231,7 @@ def test_ollama_client_tools(qwen_server):
     assert r2.done and r2.prompt_eval_count < 60  # the conversation's cache went on: only the tool turn was read
 
 
+@pytest.mark.slow(7)
 def test_llama_compat_tools(qwen):
     import kvlocal
 

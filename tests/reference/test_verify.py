@@ -74,6 +74,7 @@ def test_smollm2_passes_and_fails_with_wrong_rope_base(smollm2_ref, smollm2_llam
     assert bad["mean_kl"] > 3 * good["tolerance"]["kl"], bad  # measured 0.085 against 0.02
 
 
+@pytest.mark.slow(7)
 def test_gemma3_passes_and_fails_with_wrong_rope_base(gemma3, sample_text):
     """Gemma 3 270M (Q4_K_M: Q8_0 embedding, Q5_0/Q4_K/Q6_K layers, sliding windows, 262K vocabulary)
     passes; with llama.cpp's full-layer RoPE base at 100 instead of 1e6 it fails (at 10000 it fails too, but
