@@ -49,12 +49,11 @@ def chat(model: Model, seed: int, args):
                       cache_type_k=args.cache, cache_type_v=args.cache, recall_steps=args.recall_steps,
                       low_water=args.low_water, value_norm=args.value_norm, observe_every=args.observe_every,
                       prefill_observe=args.prefill_observe) as c:
-        c.engine.recall_step_confidence = args.step_confidence
-        c.engine.recall_step_every = args.step_every
-        c.engine.recall_room = args.room
+        r = c.engine.reselection  # the recall tier's re-selection and its settings
+        r.step_confidence, r.step_every, r.room = args.step_confidence, args.step_every, args.room
         c.read(doc)
         if args.rows:
-            where = fact_positions(model, c.session.t.fed_text, facts, names, codes)  # the document went in first
+            where = fact_positions(model, c.turns.t.fed_text, facts, names, codes)  # the document went in first
             after_question = watch_recall(c.engine)
         for i, (name, code) in enumerate(zip(names, codes)):
             answer = "".join(c.send(f"What number does the locker of {name} hold? Answer with the number only.",
@@ -91,16 +90,16 @@ def on_device(engine) -> list[set]:
 
 
 def watch_recall(engine) -> list:
-    """A one-item list that holds :func:`on_device` right after each question's swap (``Engine.recall``)."""
+    """A one-item list that holds :func:`on_device` right after each question's swap (``Engine.reselect``)."""
     seen = [None]
-    recall = engine.recall
+    reselect = engine.reselect
 
     def wrapped(*a, **kw):
-        moved = recall(*a, **kw)
+        moved = reselect(*a, **kw)
         seen[0] = on_device(engine)
         return moved
 
-    engine.recall = wrapped
+    engine.reselect = wrapped
     return seen
 
 

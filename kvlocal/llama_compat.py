@@ -11,7 +11,8 @@ role first, then the content, then the finish reason) — so switching is one im
 Underneath is one :class:`kvlocal.Chat`: the KV cache stays inside kvlocal's budget, the system message is
 never evicted, and a call whose messages continue the previous call's conversation (its messages, then
 the reply it got, then a new user message) reuses the compressed cache instead of reading everything
-again. ``tools`` and ``tool_choice`` go through the GGUF's own chat template, and the calls come back as
+again — the conversation core's lookup (:mod:`kvlocal.chat.conversation`), as ``kvlocal serve`` has it, so the
+same conversation gives the same text, finish reason and usage here and from the server. ``tools`` and ``tool_choice`` go through the GGUF's own chat template, and the calls come back as
 ``message["tool_calls"]`` with ``finish_reason: "tool_calls"`` (streamed: one delta per call). What kvlocal
 does not do (grammars, JSON mode, log probabilities, mirostat, ``functions``) raises
 :class:`~kvlocal.errors.UsageError` naming it, instead of being ignored."""
@@ -24,8 +25,8 @@ import time
 import uuid
 from typing import Iterator
 
+from kvlocal.chat.conversation import Call, ConversationCache, Conversations, Turn
 from kvlocal.engine.loops import LOOP_GUARD
-from kvlocal.chat.stops import until_stop
 from kvlocal.errors import UsageError
 
 
@@ -51,12 +52,11 @@ class Llama:
         self.model_path = str(resolve(os.fspath(model_path)))
         self.model = self._runtime.load(self.model_path)
         self.verbose = verbose
-        self._chat = None
+        # the conversation core's lookup over one kept chat: a call that continues it reuses its cache
+        self._conversations = Conversations(self._new_chat, ConversationCache(max_bytes=float("inf"), max_chats=1))
 
     def close(self) -> None:
-        if self._chat is not None:
-            self._chat.close()
-            self._chat = None
+        self._conversations.close()
         self.model.close()
 
     def __enter__(self) -> "Llama":
@@ -74,10 +74,9 @@ class Llama:
                                model: str | None = None, logits_processor=None, grammar=None, logit_bias=None,
                                logprobs=None, top_logprobs=None):
         """llama-cpp-python's ``Llama.create_chat_completion``: see the module docstring."""
+        from kvlocal.chat.messages import normalize_messages
+        from kvlocal.chat.toolcalls import check_tool_choice, check_tools
         from kvlocal.runtime import Sampler, SamplerParamError
-        from kvlocal.server.requests import BadRequest, normalize_messages
-
-        from kvlocal.chat.tools import check_tool_choice, check_tools, turn_start
 
         for name, value in (("functions", functions), ("function_call", function_call),
                             ("grammar", grammar), ("logits_processor", logits_processor), ("logit_bias", logit_bias),
@@ -94,81 +93,47 @@ class Llama:
                                      ("frequency_penalty", frequency_penalty, 0.0)):
             if value != neutral:
                 raise UsageError(f"{name} is not supported by kvlocal.Llama (leave it at {neutral}); repeat_penalty is")
+        msgs = normalize_messages(messages)  # BadMessage (a UsageError) names the message at fault
         try:
-            msgs = normalize_messages(messages)
             sampler = Sampler(temp=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                               seed=None if seed in (None, -1) else seed)
-        except BadRequest as e:
-            raise UsageError(str(e)) from None
         except SamplerParamError as e:
             raise UsageError(f"{'temperature' if e.param == 'temp' else e.param} must be {e.rule} (got {e.value})") from None
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        new = msgs[turn_start(msgs):]
-        chat = self._chat_for(msgs[:len(msgs) - len(new)], tools)
-        chat.sampler = sampler
-        s0 = chat.engine.stats
-        p0, g0 = s0.prompt_tokens, s0.generated_tokens
-        limit = max_tokens if max_tokens and max_tokens > 0 else chat.settings.max_reply
-        pieces = until_stop(chat.send(new, limit, tool_choice=tool_choice if tools else "auto"), stops)
-        cid, created = f"chatcmpl-{uuid.uuid4()}", int(time.time())
-
-        def finish(stopped: bool) -> str:  # stopped: at a stop string
-            reason = chat.finish_reason
-            return "stop" if stopped and reason != "tool_calls" else reason or "stop"
-
+        call = Call(msgs, sampler, max_tokens if max_tokens and max_tokens > 0 else None, stops, tools=tools,
+                    tool_choice=tool_choice if tools else "auto")
+        turn = self._conversations.turn(call)
+        cid, created, name = f"chatcmpl-{uuid.uuid4()}", int(time.time()), model or self.model_path
         if stream:
-            return self._chunks(pieces, cid, created, model or self.model_path, finish, chat)
-        text, stopped = "", False
-        while True:
-            try:
-                text += next(pieces)
-            except StopIteration as e:
-                stopped = bool(e.value)
-                break
-        s = chat.engine.stats
-        prompt, completion = s.prompt_tokens - p0, s.generated_tokens - g0
-        message = {"role": "assistant", "content": text}
-        if chat.tool_calls:
-            message.update(content=text if text.strip() else None, tool_calls=list(chat.tool_calls))
-        return {"id": cid, "object": "chat.completion", "created": created, "model": model or self.model_path,
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish(stopped)}],
-                "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+            return self._chunks(turn, cid, created, name)
+        r = turn.run()
+        message = {"role": "assistant", "content": r.text}
+        if r.tool_calls:
+            message.update(content=r.text or None, tool_calls=r.tool_calls)
+        return {"id": cid, "object": "chat.completion", "created": created, "model": name,
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": r.finish_reason}],
+                "usage": {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+                          "total_tokens": r.prompt_tokens + r.completion_tokens}}
 
     @staticmethod
-    def _chunks(pieces, cid: str, created: int, model: str, finish, chat) -> Iterator[dict]:
+    def _chunks(turn: Turn, cid: str, created: int, model: str) -> Iterator[dict]:
         def chunk(delta: dict, reason=None) -> dict:
             return {"id": cid, "model": model, "created": created, "object": "chat.completion.chunk",
                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
 
         yield chunk({"role": "assistant"})
-        while True:
-            try:
-                piece = next(pieces)
-            except StopIteration as e:
-                stopped = bool(e.value)
-                break
-            yield chunk({"content": piece})
-        for index, call in enumerate(chat.tool_calls):  # each call as one delta
+        try:
+            for piece in turn:
+                yield chunk({"content": piece})
+        finally:  # a reader that stops early: the reply so far is kept with the chat
+            turn.close()
+        for index, call in enumerate(turn.result.tool_calls):  # each call as one delta
             yield chunk({"tool_calls": [{"index": index, **call}]})
-        yield chunk({}, finish(stopped))
+        yield chunk({}, turn.result.finish_reason)
 
-    def _chat_for(self, history: list[dict], tools: list[dict] | None):
-        """The chat to answer in after ``history``: the current one when ``history`` is its conversation so far
-        (with the same tools), else a new one that reads it (without generating)."""
+    def _new_chat(self, call: Call):
+        """A chat for a call that continues none kept: the settings, the call's system message and tools."""
         from kvlocal.chat import Chat
-        from kvlocal.chat.tools import message_key
 
-        c = self._chat
-        if c is not None and c.tools == tools and [message_key(m) for m in c.messages] == [message_key(m) for m in history]:
-            return c
-        if c is not None:
-            c.close()
-            self._chat = None
-        system = history[0]["content"] if history and history[0]["role"] == "system" else None
-        chat = Chat(self.model, settings=dataclasses.replace(self._settings, system=system), tools=tools,
+        return Chat(self.model, settings=dataclasses.replace(self._settings, system=call.system), tools=call.tools,
                     runtime=self._runtime)
-        rest = [m for m in history if m["role"] != "system"]
-        if rest:
-            chat.extend(rest)
-        self._chat = chat
-        return chat

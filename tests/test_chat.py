@@ -131,7 +131,7 @@ def test_a_reply_stopped_early_stays_in_the_chat(smollm2_model):
         partial = "".join(next(pieces) for _ in range(5))
         pieces.close()
         assert [m["role"] for m in chat.messages] == ["user", "assistant"]
-        assert chat.messages[1]["content"] == partial and chat.session.interrupted
+        assert chat.messages[1]["content"] == partial and chat.turns.interrupted
         seen = chat.stats.tokens_seen
         assert chat.ask("Thanks.", 8)
         assert chat.stats.tokens_seen > seen

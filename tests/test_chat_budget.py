@@ -14,7 +14,7 @@ import pytest
 from kvlocal.engine import Engine
 from kvlocal.runtime import Model
 from kvlocal.runtime import Sampler
-from kvlocal.chat.session import ChatSession
+from kvlocal.chat.turns import Turns
 from kvlocal.eval.tasks import sample_text
 
 BUDGET = 256
@@ -27,7 +27,7 @@ QUESTION = "What is my favourite colour?"
 
 def _chat(model: Model, method: str) -> tuple[str, Engine]:
     eng = Engine(model, BUDGET, method=method, max_tokens=4096)
-    chat = ChatSession(eng, Sampler())
+    chat = Turns(eng, Sampler())
     for turn in TURNS:
         "".join(chat.ask(turn, max_tokens=24))
     return "".join(chat.ask(QUESTION, max_tokens=24)), eng

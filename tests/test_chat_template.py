@@ -60,7 +60,7 @@ def test_jinja_and_llama_cpp_agree_on_the_turns(chatml_model, add_assistant):
 
 @pytest.mark.parametrize("fixture", ["smollm2", "qwen", "gemma3"])
 def test_a_turn_extends_the_text_before_it(request, fixture):
-    """What ChatSession relies on to feed only the new turn: the conversation rendered after a reply starts
+    """What Turns relies on to feed only the new turn: the conversation rendered after a reply starts
     with the text rendered before it plus the reply."""
     model = model_of(request, fixture)
     first = model.chat_prompt(CONVERSATION[1:2])
@@ -152,11 +152,11 @@ def text_of(model: Model, tokens) -> str:
 def test_session_appends_only_the_new_turn_when_the_template_rewrites_earlier_ones(smollm2):
     from kvlocal.engine import Engine
     from kvlocal.runtime import Sampler
-    from kvlocal.chat.session import ChatSession
+    from kvlocal.chat.turns import Turns
 
     model = Model(smollm2)
     ct._templates[model] = ct.ChatTemplate("cuts-replies", CUTS_REPLIES, "chatml")
-    session = ChatSession(Engine(model, 1.0, "full", max_tokens=512), Sampler())
+    session = Turns(Engine(model, 1.0, "full", max_tokens=512), Sampler())
     fed = []
     append = session.engine.append
     session.engine.append = lambda tokens, probe=None, progress=None, **kw: fed.append(text_of(model, tokens)) or append(tokens, probe, progress, **kw)

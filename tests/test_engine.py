@@ -121,6 +121,14 @@ class RecordingEngine(Engine):
             return out
 
         self.ctx.decode = recording_decode  # this instance's context only
+        read = self.compressor.read
+
+        def recording_read():
+            out = read()
+            self._scored_cells = np.array(out.pos, copy=True)
+            return out
+
+        self.compressor.read = recording_read  # the cells each event scored
 
     def prefill(self, tokens, probe=None):
         self.phase = "prefill"
@@ -129,11 +137,6 @@ class RecordingEngine(Engine):
     def generate(self, *args, **kwargs):
         self.phase = "decode"
         yield from super().generate(*args, **kwargs)
-
-    def _read(self):
-        read = super()._read()
-        self._scored_cells = np.array(read.pos, copy=True)
-        return read
 
     def _compress(self, *args, **kwargs):
         probe = list(args[0] if args else kwargs["probe"])

@@ -126,6 +126,14 @@ class RecordingEngine(Engine):
         self._held = None
         self.inputs_of, self.inputs = inputs_of, []
         self.scorer = _RecordingScorer(self.scorer, self)
+        read = self.compressor.read
+
+        def recording_read():
+            out = read()
+            self._held = out.true  # the rows each event scored
+            return out
+
+        self.compressor.read = recording_read
 
     def prefill(self, tokens, probe=None):
         self.phase = "prefill"
@@ -134,11 +142,6 @@ class RecordingEngine(Engine):
     def generate(self, *args, **kwargs):
         self.phase = "decode"
         yield from super().generate(*args, **kwargs)
-
-    def _read(self):
-        read = super()._read()
-        self._held = read.true
-        return read
 
     def _compress(self, *args, **kwargs):
         super()._compress(*args, **kwargs)

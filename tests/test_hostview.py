@@ -105,7 +105,7 @@ def test_a_prefill_in_place_equals_one_through_the_blob(smollm2_model, method, m
         eng.prefill(toks)
         plans = [eng.last_plan]
         if recall:
-            assert eng.recall(question) > 0  # rows came back
+            assert eng.reselect(question) > 0  # rows came back
             eng.append(question)
             plans.append(eng.last_plan)
         runs.append((plans, np.array(eng.logits), eng.stats, eng.tier.nbytes if eng.tier else 0))

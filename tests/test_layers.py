@@ -27,8 +27,9 @@ LAYERS = (
     ("settings",),                   # what a chat depends on, declared once
     ("chat",),                       # a conversation on an engine
     ("options",),                    # the command line's shared flags
-    ("eval", "server"),              # the evaluation runner; the HTTP server
-    ("llama_compat",),               # kvlocal.Llama (llama-cpp-python's API)
+    ("eval", "server", "llama_compat"),  # the evaluation runner; the HTTP server; kvlocal.Llama (llama-cpp-python's
+                                     # API) — peers: kvlocal.Llama shares the conversation core with the server, and
+                                     # imports none of it
     ("cli",),                        # the commands
     ("__main__", "__init__"),        # `python -m kvlocal`; the package's face (kvlocal.Chat, kvlocal.Llama)
 )

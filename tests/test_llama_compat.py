@@ -41,12 +41,53 @@ def test_create_chat_completion_has_llama_cpp_pythons_shapes(smollm2):
         # a follow-up: the previous call's messages, its reply, a new question -> the same chat, only the new turn read
         follow = GERMANY + [{"role": "assistant", "content": "".join(c["choices"][0]["delta"].get("content", "") for c in rb)},
                             {"role": "user", "content": "And of France?"}]
-        chat = llm._chat
+        kept = lambda: [c for c, _ in llm._conversations.cache._items.values()]  # noqa: E731 - the one chat kept
+        chat, = kept()
         c = llm.create_chat_completion(messages=follow, max_tokens=16, temperature=0, stop=["\n"])
-        assert llm._chat is chat and c["usage"]["prompt_tokens"] < 20
+        assert kept() == [chat] and c["usage"]["prompt_tokens"] < 20
         assert "Paris" in c["choices"][0]["message"]["content"] and "\n" not in c["choices"][0]["message"]["content"]
 
         for bad in (dict(tools=[{"type": "function", "function": {"name": "f"}}]), dict(grammar="root ::= x"),
                     dict(mirostat_mode=2), dict(temperature=-1.0), dict(messages=[])):
             with pytest.raises(UsageError):
                 llm.create_chat_completion(**{"messages": GERMANY, **bad})
+
+
+def test_llama_and_the_server_answer_a_conversation_alike(smollm2, smollm2_model):
+    """Both doors call the one conversation core (kvlocal/chat/conversation.py): the same two turns, the second
+    continuing the first (its cache reused by both), greedy, give the same text, finish reason and usage through
+    kvlocal.Llama and through the server's OpenAI route."""
+    import httpx
+
+    from serving import in_process_server
+
+    with kvlocal.Llama(smollm2, budget="256", n_threads=1) as llm, \
+            in_process_server(smollm2_model, "smollm2-135m", budget="256") as (url, _):
+        def both(messages: list[dict], **params) -> tuple[str, str, dict]:
+            a = llm.create_chat_completion(messages=messages, temperature=0, **params)
+            b = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "temperature": 0, **params},
+                           timeout=300).json()
+            got = [(r["choices"][0]["message"]["content"], r["choices"][0]["finish_reason"], r["usage"]) for r in (a, b)]
+            assert got[0] == got[1]
+            return got[0]
+
+        text, finish, _ = both(GERMANY, max_tokens=24, stop=["."])  # a stop string: kept under the text the caller saw
+        assert "Berlin" in text and finish == "stop"
+        follow = GERMANY + [{"role": "assistant", "content": text}, {"role": "user", "content": "And of France?"}]
+        _, finish, usage = both(follow, max_tokens=4)
+        assert finish == "length" and usage["prompt_tokens"] < 20  # only the new turn read: the conversation continued
+
+
+def test_kvlocal_llama_does_not_import_the_server(smollm2):
+    """kvlocal.Llama answers without importing kvlocal.server (the HTTP layer), as tests/test_layers.py also
+    holds its module to."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvlocal\n"
+            f"with kvlocal.Llama({str(smollm2)!r}, budget=256, n_threads=1) as llm:\n"
+            "    r = llm.create_chat_completion(messages=[{'role': 'user', 'content': 'Hi'}], max_tokens=2)\n"
+            "print(r['usage']['completion_tokens'], sorted(m for m in sys.modules if m.startswith('kvlocal.server')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "[]"]

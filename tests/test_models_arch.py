@@ -357,7 +357,9 @@ def _on_calls(monkeypatch, note) -> None:
     ``"plan"``, each compression event's scoring (Python)."""
     from kvlocal.runtime import QueryCapture
 
-    callback, plan = QueryCapture.callback, Engine._plan
+    from kvlocal.engine.compressor import Compressor
+
+    callback, plan = QueryCapture.callback, Compressor.plan
 
     def counted_callback(self, t, ask, user_data):
         note("node")
@@ -368,7 +370,7 @@ def _on_calls(monkeypatch, note) -> None:
         return plan(self, *args, **kwargs)
 
     monkeypatch.setattr(QueryCapture, "callback", counted_callback)
-    monkeypatch.setattr(Engine, "_plan", counted_plan)
+    monkeypatch.setattr(Compressor, "plan", counted_plan)
 
 
 def _ctrl_c_engine(m) -> Engine:

@@ -509,10 +509,10 @@ def test_native_and_state_recall_the_same_rows(tiny, arch):
                      method_params=L1)  # L1 norms: the same arithmetic on both backends (L2's routes round apart)
         eng.prefill(tokens[:500], probe=tokens[500:516])
         eng.prefill_bytes, eng.prefill_rows_out = eng.kv.host_kv_bytes, eng.tier.rows_out
-        back = eng.recall(tokens[600:620])
+        back = eng.reselect(tokens[600:620])
         eng.recall_bytes, eng.recall_rows_out = eng.kv.host_kv_bytes - eng.prefill_bytes, eng.tier.rows_out - eng.prefill_rows_out
         eng.append(tokens[600:620])
-        eng.append(tokens[620:632], recall=True)  # a second question: its answer's first tokens re-select too
+        eng.append(tokens[620:632], question=True)  # a second question: its answer's first tokens re-select too
         eng.reply = list(eng.generate(8, stop_at_eog=False))
         assert eng.stats.recall_steps == 8
         engines[backend] = eng, back

@@ -110,14 +110,14 @@ def test_window_observation_scores_each_event_by_its_chunks_last_queries(smollm2
     question = smollm2_model.tokenize("\n\nWhat does the text say about patents?", add_special=False)
     eng = Engine(smollm2_model, 256, "criticalkv", max_tokens=len(toks) + 8, backend="state", prefill_observe="window")
     events, observed = [], []
-    plan, observe = eng._plan, eng._observe
+    plan, observe = eng.compressor.plan, eng.observer.observe
 
     def recording_plan(read, q, q_pos, *args):
         events.append((eng.n_past, [qi.copy() for qi in q], np.array(q_pos)))
         return plan(read, q, q_pos, *args)
 
-    eng._plan = recording_plan
-    eng._observe = lambda *a, **k: observed.append(a[0]) or observe(*a, **k)
+    eng.compressor.plan = recording_plan
+    eng.observer.observe = lambda *a, **k: observed.append(a[0]) or observe(*a, **k)
     eng.prefill(toks)
     s = eng.stats
     assert s.compression_events > 6 and s.observations_window == s.compression_events - 1 and s.observations_moved == 0
@@ -166,18 +166,18 @@ def test_decode_time_events_are_observed_by_the_queries_their_tokens_had(fixture
         e0, decoded0 = eng.stats.compression_events, eng.observations.decoded
         compared = []
         if how == "kept":
-            kept_observation = eng._kept_observation
+            kept_observation = eng.observer.kept
 
-            def both(p, eng=eng, kept_observation=kept_observation):
-                kept = kept_observation(p)
+            def both(p, reply, eng=eng, kept_observation=kept_observation):
+                kept = kept_observation(p, reply)
                 assert kept is not None, "the kept queries were missing at a decode-time event"
-                fresh, pos, _ = eng._observe(p)  # the probe decoded after the cache, then removed
+                fresh, pos, _ = eng.observer.observe(p)  # the probe decoded after the cache, then removed
                 np.testing.assert_array_equal(kept[1], pos)
                 scale = np.abs(fresh[0]).max()
                 compared.append(np.abs(kept[0][0] - fresh[0]).max() / scale)
                 return kept
 
-            eng._kept_observation = both
+            eng.observer.kept = both
         list(eng.generate(eng.slack + 40, stop_at_eog=False))  # past one decode-time event
         s = eng.stats
         events[how] = s.compression_events - e0

@@ -63,12 +63,12 @@ def test_a_question_swaps_rows_with_the_tier_and_both_stay_consistent(tiny_llama
             assert len(stored) == s.n and not stored & set(rows), (l, h)
             assert stored | set(rows) == set(range(500)), (l, h)
 
-    came_back = eng.recall(tokens[600:620])  # the 20 tokens of a question to come
+    came_back = eng.reselect(tokens[600:620])  # the 20 tokens of a question to come
     after = device_rows(eng)
     assert came_back == eng.stats.recall_rows_in > 0 and eng.stats.recall_events == 1
     # the context's headroom (its cells past the budget's) holds recalled rows while the question is answered, with
     # room left for the question's 20 tokens and the answer's first recall_room: no cell more is allocated
-    assert eng.slot_cells < eng.live_cells() <= eng.ctx.n_ctx - eng._reserve() - 20 - eng.recall_room
+    assert eng.slot_cells < eng.live_cells() <= eng.ctx.n_ctx - eng._reserve() - 20 - eng.reselection.room
     moved = 0
     for l, heads in enumerate(after):
         for h, rows in enumerate(heads):
@@ -93,7 +93,7 @@ def test_an_answers_first_tokens_reselect_with_their_own_queries(tiny_llama):
     eng = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True, recall_steps=5,
                  recall_step_candidates=0.25, recall_step_confidence=1.0)
     eng.prefill(tokens[:500], probe=tokens[500:516])
-    eng.append(tokens[600:620], recall=True)  # a question: it re-selects, then its answer's first 5 tokens do
+    eng.append(tokens[600:620], question=True)  # a question: it re-selects, then its answer's first 5 tokens do
     s = eng.stats
     assert s.recall_events == 1 and s.recall_steps == 0
     in_after_question, scored_by_question = s.recall_rows_in, s.recall_candidates
@@ -106,7 +106,7 @@ def test_an_answers_first_tokens_reselect_with_their_own_queries(tiny_llama):
     assert eng.last_probe == reply[4:5]  # the last step was observed by its token's own query
     assert s.recall_rows_in > in_after_question  # the steps brought rows back
     # the last step's swap filled the headroom (less the answer's room), then reply[4:8] was decoded
-    assert eng.slot_cells < eng.live_cells() <= eng.ctx.n_ctx - eng._reserve() - eng.recall_room + 4
+    assert eng.slot_cells < eng.live_cells() <= eng.ctx.n_ctx - eng._reserve() - eng.reselection.room + 4
     # nothing read is lost, and the tier's flags say exactly what is on the device
     for l, heads in enumerate(device_rows(eng)):
         for h, rows in enumerate(heads):
@@ -121,7 +121,7 @@ def test_an_answers_first_tokens_reselect_with_their_own_queries(tiny_llama):
     assert eng.live_cells() <= eng.slot_cells + 4  # and its prefill compressed back to the budget
     off = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True, recall_steps=0)
     off.prefill(tokens[:500])
-    off.append(tokens[600:620], recall=True)
+    off.append(tokens[600:620], question=True)
     list(off.generate(8, stop_at_eog=False))
     assert off.stats.recall_events == 1 and off.stats.recall_steps == 0
     with pytest.raises(UsageError, match="recall_steps"):
@@ -140,7 +140,7 @@ def test_a_confident_step_keeps_its_decode_and_swaps_nothing(tiny_llama):
                      "none confident": dict(recall_step_confidence=1.0)}.items():
         eng = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True, **kw)
         eng.prefill(tokens[:500], probe=tokens[500:516])
-        eng.append(tokens[600:620], recall=True)
+        eng.append(tokens[600:620], question=True)
         rows_in = eng.stats.recall_rows_in
         replies[name] = list(eng.generate(8, stop_at_eog=False))
         stats[name] = (eng.stats.recall_steps, eng.stats.recall_steps_confident, eng.stats.recall_rows_in - rows_in,
@@ -154,18 +154,18 @@ def test_a_confident_step_keeps_its_decode_and_swaps_nothing(tiny_llama):
 def test_a_confident_steps_query_observes_the_next_swap(tiny_llama, monkeypatch):
     """A step that keeps its decode holds its query: the next step that swaps is observed by the held queries
     and its own (a swap serves the tokens after it: docs/recall.md § Choices), and then holds nothing."""
-    import kvlocal.engine.config as config_module
+    import kvlocal.recall.reselect as reselect_module
 
     top = iter([0.95, 0.95, 0.5, 0.95, 0.5])  # the steps' top probabilities: kept, kept, swap, kept, swap
-    monkeypatch.setattr(config_module, "top_probability", lambda logits: next(top))
+    monkeypatch.setattr(reselect_module, "top_probability", lambda logits: next(top))
     tokens = tiny_llama.tokenize(sample_text())
     eng = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True, recall_steps=5,
                  recall_step_confidence=0.9)
     eng.prefill(tokens[:500], probe=tokens[500:516])
-    eng.append(tokens[600:620], recall=True)
-    observed, reselect = [], eng._reselect
-    monkeypatch.setattr(eng, "_reselect", lambda q, q_pos, c: observed.append((q_pos.tolist(), {x.shape[1] for x in q}))
-                        or reselect(q, q_pos, c))
+    eng.append(tokens[600:620], question=True)
+    observed, swap = [], eng.reselection.swap
+    monkeypatch.setattr(eng.reselection, "swap",
+                        lambda q, q_pos, c: observed.append((q_pos.tolist(), {x.shape[1] for x in q})) or swap(q, q_pos, c))
     p0 = eng.n_past
     list(eng.generate(6, stop_at_eog=False))
     assert observed == [([p0, p0 + 1, p0 + 2], {3}), ([p0 + 3, p0 + 4], {2})]
@@ -175,17 +175,18 @@ def test_a_confident_steps_query_observes_the_next_swap(tiny_llama, monkeypatch)
 def test_steps_swap_at_most_every_n_and_the_ones_between_hold(tiny_llama, monkeypatch):
     """``recall_step_every=2``: a step right after a swap keeps its decode whatever its confidence (it is not
     even asked) and holds its query; the next one swaps unless confident — then it holds too."""
-    import kvlocal.engine.config as config_module
+    import kvlocal.recall.reselect as reselect_module
 
     top = iter([0.95, 0.5, 0.5])  # asked at steps 1, 2 and 4 only: kept (confident), swap, swap
-    monkeypatch.setattr(config_module, "top_probability", lambda logits: next(top))
+    monkeypatch.setattr(reselect_module, "top_probability", lambda logits: next(top))
     tokens = tiny_llama.tokenize(sample_text())
     eng = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True, recall_steps=6,
                  recall_step_confidence=0.9, recall_step_every=2)
     eng.prefill(tokens[:500], probe=tokens[500:516])
-    eng.append(tokens[600:620], recall=True)
-    observed, reselect = [], eng._reselect
-    monkeypatch.setattr(eng, "_reselect", lambda q, q_pos, c: observed.append(q_pos.tolist()) or reselect(q, q_pos, c))
+    eng.append(tokens[600:620], question=True)
+    observed, swap = [], eng.reselection.swap
+    monkeypatch.setattr(eng.reselection, "swap",
+                        lambda q, q_pos, c: observed.append(q_pos.tolist()) or swap(q, q_pos, c))
     p0 = eng.n_past
     list(eng.generate(7, stop_at_eog=False))
     assert observed == [[p0, p0 + 1, p0 + 2], [p0 + 3, p0 + 4]]  # step 5 kept: one past the swap at 4
@@ -228,7 +229,7 @@ def test_a_capped_tier_keeps_its_newest_rows_byte_for_byte_under_the_cap(tiny_ll
             ks, vs = s.rows(np.arange(s.n))
             assert np.array_equal(ks, ku) and np.array_equal(vs, vu), (l, h)
             np.testing.assert_array_equal(s.vnorm[:s.n], u.vnorm[u.n - s.n:u.n])
-    assert capped.recall(tokens[1300:1320]) > 0
+    assert capped.reselect(tokens[1300:1320]) > 0
     for l, rows in enumerate(device_rows(capped)):  # what came back is the row that left, byte for byte
         for h, held in enumerate(rows):
             u = free.tier.heads[l][h]
@@ -267,7 +268,7 @@ def test_a_restored_snapshot_forgets_the_undone_rows(tiny_llama):
     eng.prefill(tokens[:300])
     snap = eng.snapshot()
     n0 = eng.tier.n_rows
-    eng.append(tokens[300:500], recall=True)
+    eng.append(tokens[300:500], question=True)
     assert eng.tier.n_rows > n0
     eng.restore(snap)
     assert eng.tier.n_rows == n0  # the undone turn's tokens are gone from the tier too
@@ -290,8 +291,6 @@ def test_moving_positions_back_keeps_the_tiers_latest_history(tiny_llama64, cach
     that fits (it is not cleared), renumbered with the cells — per head, tier and device rows distinct, the
     tier in order, all below n_past — and its keys turned by RoPE exactly as llama.cpp's K-shift turns the
     cells' (measured on the device rows); the same on both backends, and a question then finds rows in it."""
-    from kvlocal.engine.positions import reposition
-
     model, t = tiny_llama64, {"f16": 1, "q8_0": 8}[cache]
     tokens = model.tokenize(sample_text())
     tiers = {}
@@ -304,7 +303,7 @@ def test_moving_positions_back_keeps_the_tiers_latest_history(tiny_llama64, cach
                   for layer in tier.heads]
         read0 = read_seq(eng.ctx) if backend == "state" else None  # a host copy: the cells change below
         eng.position_limit = eng.n_past  # the next token would pass it
-        reposition(eng, 1)
+        eng.positions.move(1)
         list(eng.generate(1, stop_at_eog=False))  # llama.cpp turns the moved cells' keys at this decode
         assert eng.stats.repositions == 1 and eng.n_past <= 0.75 * 600 + 1
         read1 = eng.kv.read()
@@ -340,7 +339,7 @@ def test_moving_positions_back_keeps_the_tiers_latest_history(tiny_llama64, cach
                 np.testing.assert_allclose(turned, k1, atol=tol)
                 assert np.abs(k0 - k1).max() > 20 * tol  # the keys did move
         rows_in = tier.rows_in
-        eng.recall(tokens[700:716])
+        eng.reselect(tokens[700:716])
         assert tier.rows_in > rows_in
         for l, heads in enumerate(device_rows(eng) if backend == "state" else []):
             for h, rows in enumerate(heads):
@@ -379,7 +378,7 @@ def test_a_swap_on_a_quantized_cache_reads_no_stale_bytes(tiny_llama64):
             return out
 
     eng.kv.basis = checked = Checked(eng.kv.basis)
-    assert eng.recall(tokens[700:720]) > 0 and checked.rows > 0
+    assert eng.reselect(tokens[700:720]) > 0 and checked.rows > 0
 
 
 def test_recall_refusals_and_defaults(tiny_llama):
@@ -453,7 +452,7 @@ def test_a_saved_chat_carries_its_tier(smollm2_model, tmp_path):
         want = "".join(chat.send("And then?", max_tokens=8))
     with kvlocal.Chat.load(tmp_path / "s.kvl", model=smollm2_model, sampler=Sampler(), n_threads=1) as again:
         assert again.engine.tier.n_rows == rows
-        assert again.engine.recall_steps == 3  # the saved settings, answer steps included
+        assert again.engine.reselection.steps == 3  # the saved settings, answer steps included
         assert "".join(again.send("And then?", max_tokens=8)) == want  # the same rows came back, the same reply
 
 
@@ -509,7 +508,7 @@ def test_profile_recall_times_every_part_of_a_swap(smollm2):
     assert r.returncode == 0, r.stderr[-2000:]
     head, _, *table, scored = r.stdout.splitlines()
     rows = {line[:20].strip(): int(line.split()[-1]) for line in table if line.strip()}  # part -> calls
-    parts = ("_recall_step", "_reselect", "_plan", "_apply", "with_candidates", "choose_candidates", "store_evicted",
+    parts = ("step", "swap", "plan", "apply", "with_candidates", "choose_candidates", "store_evicted",
              "evicted", "tier add", "attention_keep")
     assert all(rows.get(p, 0) > 0 for p in parts), r.stdout  # each part ran in the 3 swaps
     assert "3 steps, 3 swapped" in head, r.stdout
@@ -564,8 +563,8 @@ def test_profile_prefill_times_every_part_of_an_event(smollm2):
     events = int(re.search(r"in (\d+) events: observe [\d.]+, read [\d.]+, score [\d.]+, apply [\d.]+", head)[1])
     calls = {line[:20].strip(): int(line.split()[-2]) for line in table if line.strip()}
     assert "state backend in place" in head  # the patched runtime's CPU cache: read, and rows moved, where it lies
-    assert events > 1 and all(calls.get(p) == events for p in ("_compress", "view.compact")), r.stdout
-    assert all(calls.get(p) == events + 1 for p in ("_plan", "_apply", "kv.read", "kv.apply", "view.read",
+    assert events > 1 and all(calls.get(p) == events for p in ("compress", "view.compact")), r.stdout
+    assert all(calls.get(p) == events + 1 for p in ("plan", "apply", "kv.read", "kv.apply", "view.read",
                                                     "store_evicted")) and calls.get("view.write") == 1, r.stdout
     assert re.search(r"then the question's re-selection [\d.]+ s", head), head
     assert "get_blob" not in calls, r.stdout

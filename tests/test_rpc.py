@@ -125,7 +125,7 @@ def run(model, backend: str, method: str, recall: bool, tokens: list[int]):
                  backend=backend, recall=recall, recall_steps=3,  # (each answer step that swaps costs a re-selection)
                  method_params={"value_norm": "l1"} if "criticalkv" in method else None)
     eng.prefill(tokens[:-16], probe=tokens[-16:])
-    eng.append(tokens[-16:], recall=recall)
+    eng.append(tokens[-16:], question=recall)
     reply = list(eng.generate(16, stop_at_eog=False))
     return eng, reply
 
@@ -337,10 +337,12 @@ def test_a_chat_saved_on_a_split_model_continues_locally(servers, smollm2, tmp_p
 KILLED_AT = """
 import sys
 from kvlocal.engine import Engine
+from kvlocal.engine.compressor import Compressor
+from kvlocal.recall import Reselection
 from kvlocal.runtime import Model
 
 where, swapping = sys.argv[3], []
-apply, reselect = Engine._apply, Engine._reselect
+apply, swap = Compressor.apply, Reselection.swap
 
 
 def paused_apply(self, read, plan):  # the event's rows scored and its plan made: the parent kills a server now
@@ -350,21 +352,21 @@ def paused_apply(self, read, plan):  # the event's rows scored and its plan made
     return apply(self, read, plan)
 
 
-def marked_reselect(self, *args, **kwargs):
+def marked_swap(self, *args, **kwargs):
     swapping.append(1)
-    return reselect(self, *args, **kwargs)
+    return swap(self, *args, **kwargs)
 
 
-Engine._apply, Engine._reselect = paused_apply, marked_reselect
+Compressor.apply, Reselection.swap = paused_apply, marked_swap
 model = Model(sys.argv[1], n_gpu_layers={n}, rpc=sys.argv[2].split(","), tensor_split=(1, 1))
 tokens = model.tokenize(" ".join(f"Item {{i}} is on shelf {{i % 7}}." for i in range(60)))
 eng = Engine(model, 128, "criticalkv", max_tokens=len(tokens) + 400, chunk=64, n_threads=2, backend="native",
              recall=where == "swap")
 if where == "swap":
-    Engine._apply = apply  # the reading's events go through; the question's swap stops
+    Compressor.apply = apply  # the reading's events go through; the question's swap stops
     eng.prefill(tokens)
-    Engine._apply = paused_apply
-    eng.append(model.tokenize(" Which shelf holds item 12?", add_special=False), recall=True)
+    Compressor.apply = paused_apply
+    eng.append(model.tokenize(" Which shelf holds item 12?", add_special=False), question=True)
 else:
     eng.prefill(tokens)
 print("done", flush=True)

@@ -444,7 +444,7 @@ def test_a_restart_with_other_settings_reads_saved_conversations_afresh(smollm2_
     settings its cache was not made with — it is read afresh, with one warning naming the setting. Restarted
     with its own settings, the same file is restored (so the refusals above are the settings', not the file's)."""
     from kvlocal.runtime import Sampler
-    from kvlocal.server.sessions import SessionDir
+    from kvlocal.server.store import ChatStore
     from kvlocal.server.worker import Job, Worker
 
     folder = tmp_path / "sessions"
@@ -455,7 +455,7 @@ def test_a_restart_with_other_settings_reads_saved_conversations_afresh(smollm2_
     def reply(messages, **changed):
         """The Result of one request on a newly started worker over ``folder`` (a restart)."""
         worker = Worker(smollm2_model, MODEL, chat_options={**server, **changed}, defaults={},
-                        sessions=SessionDir(folder, 1 << 30))
+                        store=ChatStore(folder, 1 << 30))
         try:
             return worker.submit(Job(messages, Sampler(), max_tokens=4)).result(timeout=WAIT)
         finally:
@@ -768,7 +768,7 @@ def test_serve_rss_follows_a_conversations_memory(smollm2):
 
 
 def test_conversation_cache_bounds():
-    from kvlocal.server.conversations import ConversationCache
+    from kvlocal.chat.conversation import ConversationCache
 
     class Fake:
         closed = False

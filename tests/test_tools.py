@@ -1,4 +1,4 @@
-"""Tool calls (kvlocal/chat/tools.py): the parsers on the text families write, and the whole path on the real
+"""Tool calls (kvlocal/chat/toolcalls.py): the parsers on the text families write, and the whole path on the real
 Qwen2.5-Coder-0.5B — its own Jinja template renders the tools, the calls come out of its reply, a tool's
 result continues the cached conversation — through kvlocal.Chat, the OpenAI and Ollama clients on
 `kvlocal serve` (in process) and kvlocal.Llama. SmolLM2's template takes no tools: a 400 that says so."""
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from kvlocal.chat.tools import CallFilter, check_tools, parse
+from kvlocal.chat.toolcalls import CallFilter, check_tools, parse
 from kvlocal.runtime.chat_template import tool_format
 from kvlocal.errors import UsageError
 from policy import need
@@ -244,8 +244,9 @@ def test_llama_compat_tools(qwen):
         deltas = [t for c in chunks for t in c["choices"][0]["delta"].get("tool_calls", [])]
         assert [(t["index"], t["function"]["name"]) for t in deltas] == [(0, "get_weather")]
         assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
-        chat = llm._chat
+        kept = lambda: [c for c, _ in llm._conversations.cache._items.values()]  # noqa: E731 - the one chat kept
+        chat, = kept()
         call_id = choice["message"]["tool_calls"][0]["id"]  # ids are not what the model reads: the same conversation
         follow = QUESTION + [choice["message"], {"role": "tool", "tool_call_id": call_id, "content": RESULT}]
         r2 = llm.create_chat_completion(messages=follow, tools=TOOLS, temperature=0, max_tokens=32)
-        assert llm._chat is chat and r2["usage"]["prompt_tokens"] < 60  # the same chat: only the result read
+        assert kept() == [chat] and r2["usage"]["prompt_tokens"] < 60  # the same chat: only the result read

@@ -48,7 +48,7 @@ def state(e: Engine) -> dict:
     kv = read_seq(e.ctx)
     live = r.rows(kv.pos.astype(np.int64))[0] >= 0  # [n_layer, Hkv, n]
     out = dict(cells=kv.pos, slots=r.pos, true=r.true, vnorm=r.vnorm, count=r.count, n_past=e.n_past,
-               last_token=e.last_token, logits=e.logits, settled=e._settled, probe=e._probe, reply=e._reply,
+               last_token=e.last_token, logits=e.logits, settled=e.compressor.settled, probe=e._probe, reply=e._reply,
                bias=None if kv.bias is None else np.stack(kv.bias))
     for i, (k, v) in enumerate(zip(kv.k, kv.v)):
         mask = live[i].T[..., None]
@@ -86,7 +86,7 @@ def undone_turn(e: Engine, tokens: list[int], n_gen: int = 8) -> dict:
     s = e.stats
     events0, moved0, copied0 = s.compression_events + s.recall_events, s.repositions, s.rollback_bytes
     mark = e.mark()
-    e.append(tokens, probe=tokens[-16:], recall=True)
+    e.append(tokens, probe=tokens[-16:], question=True)
     list(e.generate(n_gen, Sampler(), stop_at_eog=False))
     s = e.stats
     did = dict(events=s.compression_events + s.recall_events - events0, moved=s.repositions - moved0,
@@ -99,7 +99,7 @@ def continue_alike(a: Engine, b: Engine, tokens: list[int]) -> None:
     """Both engines take the same next turn: the same greedy tokens, bit-identical logits, the same state."""
     outs = []
     for e in (a, b):
-        e.append(tokens, probe=tokens[-16:], recall=True)
+        e.append(tokens, probe=tokens[-16:], question=True)
         outs.append((list(e.generate(24, Sampler(), stop_at_eog=False)), e.logits))
     assert outs[0][0] == outs[1][0] and np.array_equal(outs[0][1], outs[1][1])
     assert differences(a, b) == []

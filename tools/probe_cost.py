@@ -4,7 +4,7 @@
     python -m tools.probe_cost qwen2.5-coder-0.5b --repeat 30
 
 A compression event inside a prompt decodes its probe in the same graph as the chunk before it
-(``Observing._decode_chunk``), and the engine counts the probe's part of that decode by token share: the decode's
+(``Observer.decode_chunk``), and the engine counts the probe's part of that decode by token share: the decode's
 time × probe tokens / all tokens (``observe`` in ``EngineStats.compression_breakdown``, the ``observe s`` of ``kvlocal
 bench``). The probe's tokens come last, and attend to more cells than the chunk's on average; the capture of their
 queries splits the graph. Here a context holding ``--cells`` tokens decodes the chunk alone, the chunk with the probe

@@ -8,9 +8,9 @@ runs the chat's defaults (CriticalKV at budget 0.1, the recall tier, the probe d
 inside the prompt leaving 3/4 of the budget; ``--no-recall`` for the cache alone). The engine's, the backend's,
 the state backend's reads and writes (in place: ``view.*``; through the state blob, ``KVLOCAL_STATE_IO=blob``:
 ``get_blob`` ...) and the tier's functions are wrapped by a wall clock and the process's minor page-fault
-count (``tools.parts``). Parts nest: ``_compress`` holds ``_read``, ``_plan`` and ``_apply``; ``_apply`` the
-backend's ``apply``, ``evicted`` and ``store_evicted``; the probe is decoded inside ``_decode_chunk``, with a
-chunk. Prints how long the engine took to make (``EngineStats.setup_seconds``: its one-time work, W_O's factors), the
+count (``tools.parts``). Parts nest: the compressor's ``compress`` holds its ``read``, ``plan`` and ``apply``;
+``apply`` the backend's ``apply``, ``evicted`` and ``store_evicted``; the probe is decoded inside the observer's
+``decode_chunk``, with a chunk. Prints how long the engine took to make (``EngineStats.setup_seconds``: its one-time work, W_O's factors), the
 engine's own breakdown (``EngineStats.compression_breakdown``, what ``kvlocal bench`` reports), then per part the
 seconds over the prompt, the calls and the faults. Figures of one run on one machine: compare parts with each
 other, or two runs made side by side.
@@ -24,17 +24,20 @@ import time
 from kvlocal.cli.bench import long_text, read_prompt
 from kvlocal.compress.plan import Plan
 from kvlocal.engine import Engine
+from kvlocal.engine.compressor import Compressor
+from kvlocal.engine.observer import Observer
 from kvlocal.models import resolve
 from kvlocal.recall.tier import HostTier
 from kvlocal.runtime import Model
 from kvlocal.runtime.hostview import HostView
-import kvlocal.engine.engine as engine_module
+import kvlocal.engine.compressor as compressor_module
 import kvlocal.runtime.state as state_module
 from tools.parts import Parts
 
-ENGINE_PARTS = ("_decode_chunk", "_compress", "_read", "_plan", "_apply")
+# the engine's parts' methods, by the class that has them
+ENGINE_PARTS = ((Observer, ("decode_chunk",)), (Compressor, ("compress", "read", "plan", "apply")))
 # module functions, wrapped in the module that looks them up
-MODULE_PARTS = ((engine_module, ("evicted", "store_evicted")),
+MODULE_PARTS = ((compressor_module, ("evicted", "store_evicted")),
                 (state_module, ("get_blob", "parse_blob", "build_blob", "set_blob")))
 
 
@@ -53,9 +56,8 @@ def main(argv=None) -> None:
     eng = Engine(model, a.budget, "criticalkv", max_tokens=a.tokens + 64, n_threads=a.threads, backend=a.backend,
                  recall=recall, observe_every=4, low_water=0.75 if recall else 1.0)
     parts = Parts()
-    parts.wrap_each(Engine, ENGINE_PARTS)
-    for module, names in MODULE_PARTS:
-        parts.wrap_each(module, names)
+    for owner, names in ENGINE_PARTS + MODULE_PARTS:
+        parts.wrap_each(owner, names)
     parts.wrap_each(type(eng.kv), ("read", "apply", "take_rows"), "kv.")
     parts.wrap_each(HostView, ("read", "compact", "write"), "view.")
     parts.wrap_each(HostTier, ("reserve", "add"), "tier ")

@@ -7,11 +7,11 @@ Reads ``--tokens`` of ``kvlocal bench``'s text with recall on (CriticalKV, budge
 decodes ``--steps`` answer tokens, each re-selecting the cache with its own query (``--step-confidence 1``,
 the default here: every step swaps, so every step is a sample). Each part of a swap is timed by wrapping the
 engine's and the tier's functions with a wall clock and the process's page-fault count (``tools.parts``); the
-table gives milliseconds and minor page faults per swap (parts nest: ``_reselect`` holds ``with_candidates``,
-``_plan`` and ``_apply``; the layers are planned on threads, and ``attention_keep``, the plan's kernel, adds up their
-times; a last line says how many rows the plan scored a swap). With ``--step-confidence`` below 1,
-``_recall_step`` and ``_observe`` also hold the decodes of the steps that kept theirs (divided by the swaps all the
-same). Figures of one run on one machine: compare parts with each other, or two runs made side by side.
+table gives milliseconds and minor page faults per swap (parts nest: the re-selection's ``swap`` holds
+``with_candidates`` and the compressor's ``plan`` and ``apply``; the layers are planned on threads, and
+``attention_keep``, the plan's kernel, adds up their times; a last line says how many rows the plan scored a swap).
+With ``--step-confidence`` below 1, the re-selection's ``step`` and the observer's ``observe`` also hold the decodes
+of the steps that kept theirs (divided by the swaps all the same). Figures of one run on one machine: compare parts with each other, or two runs made side by side.
 """
 
 from __future__ import annotations
@@ -22,17 +22,21 @@ import threading
 from kvlocal.cli.bench import QUESTION, long_text
 from kvlocal import kernels
 from kvlocal.engine import Engine
+from kvlocal.engine.compressor import Compressor
+from kvlocal.engine.observer import Observer
 from kvlocal.models import resolve
+from kvlocal.recall import Reselection
 from kvlocal.recall.tier import HeadStore, HostTier
 from kvlocal.runtime import Model
 from tools.parts import Parts
-import kvlocal.engine.engine as engine_module
-import kvlocal.engine.reselect as reselect_module
+import kvlocal.engine.compressor as compressor_module
+import kvlocal.recall.reselect as reselect_module
 
-ENGINE_PARTS = ("_recall_step", "_observe", "_reselect", "_read", "_plan", "_apply")
+# the engine's parts' methods, by the class that has them
+ENGINE_PARTS = ((Reselection, ("step", "swap")), (Observer, ("observe",)), (Compressor, ("read", "plan", "apply")))
 # the module-level functions a swap calls, by the module that calls them (wrapped where they are looked up)
 MODULE_PARTS = ((reselect_module, ("choose_candidates", "with_candidates")),
-                (engine_module, ("evicted", "store_evicted")))
+                (compressor_module, ("evicted", "store_evicted")))
 
 
 def main() -> None:
@@ -50,12 +54,11 @@ def main() -> None:
                  n_threads=args.threads, recall=True, backend=args.backend,
                  recall_step_confidence=args.step_confidence)
     eng.prefill(long_text(model, args.tokens), reselect_after=True)  # a document, as a chat reads it
-    eng.append(question, probe=question, recall=True)
+    eng.append(question, probe=question, question=True)
 
     parts = Parts()
-    parts.wrap_each(Engine, ENGINE_PARTS)
-    for module, names in MODULE_PARTS:
-        parts.wrap_each(module, names)
+    for owner, names in ENGINE_PARTS + MODULE_PARTS:
+        parts.wrap_each(owner, names)
     parts.wrap_each(type(eng.kv), ("extend", "apply", "take_rows"), "kv.")
     parts.wrap(HeadStore, "rows_into", "tier rows_into")
     parts.wrap(HostTier, "add", "tier add")

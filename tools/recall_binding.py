@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-import kvlocal.engine.reselect as reselect
-from kvlocal.chat.session import ChatSession
+import kvlocal.recall.reselect as reselect
+from kvlocal.chat.turns import Turns
 from kvlocal.engine import Engine
 from kvlocal.eval.runner import Runner, Spec
 from kvlocal.models import resolve
@@ -101,11 +101,11 @@ def fact_positions(model: Model, fed_text: str, facts) -> tuple[list[Fact], int]
 def attention(eng: Engine, q: list[np.ndarray], j: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Per compressed layer: the attention ``[Hkv, n]`` (the mean over each KV head's query heads) of query ``j``
     of the observation ``q`` over the cells the engine holds now, and the cells' positions ``[Hkv, n]``."""
-    read = eng._read()
+    read = eng.compressor.read()
     scale = np.sqrt(eng.head_dim)
     att, pos = [], []
     for i, qi in enumerate(q):
-        qs = qi[:, j] * eng._q_scale
+        qs = qi[:, j] * eng.compressor.q_scale
         keys = read.kv.k[i].astype(np.float32)
         if eng.basis is not None:
             qs, keys = eng.basis.queries(qs), eng.basis.keys(read.kv.k[i])
@@ -134,7 +134,7 @@ def class_mass(att, pos, fact: Fact, others: set[int], doc_end: int) -> np.ndarr
 
 
 def on_device(eng: Engine) -> list[list[set]]:
-    true = eng._read().true
+    true = eng.compressor.read().true
     return [[set(row[row >= 0].tolist()) for row in layer] for layer in true]
 
 
@@ -151,7 +151,7 @@ def last_tokens(eng: Engine) -> list[int]:
     return seen
 
 
-def full_turn(eng: Engine, session: ChatSession, last: list, turn: Turn, fact: Fact, others: set[int],
+def full_turn(eng: Engine, session: Turns, last: list, turn: Turn, fact: Fact, others: set[int],
               doc_end: int, model: Model) -> None:
     """Ask on the full cache; then decode the last prompt token and the reply again with their queries captured
     (the same tokens at the same positions: the cache as it was) to find what the query that predicts the value's
@@ -164,12 +164,12 @@ def full_turn(eng: Engine, session: ChatSession, last: list, turn: Turn, fact: F
     probe = [last[0]] + reply[:-1]
     eng.ctx.remove(p_last, -1)
     eng.n_past = p_last
-    q = eng._observe(probe)[0]
+    q = eng.observer.observe(probe)[0]
     att, pos = attention(eng, q, turn.value_step)
     turn.full = class_mass(att, pos, fact, others, doc_end)
     turn.full_att = list(zip(att, pos))
     turn.full_q = [qi[:, 0] for qi in q]
-    eng.logits = eng._decode(probe + reply[-1:], list(range(p_last, n1)), "last")
+    eng.logits = eng.cells.decode(probe + reply[-1:], list(range(p_last, n1)), "last")
     eng.n_past = n1
 
 
@@ -185,7 +185,7 @@ def value_step(model: Model, reply: list[int], value: str) -> int:
 def watch(eng: Engine, facts: list[Fact], doc_end: int, now: list) -> None:
     """Record a :class:`Moment` at each of the recall engine's re-selections into ``now[1]`` (``now[0]``: the
     index of the asked fact; ``now[2]``: the positions of the question's own tokens, set when it re-selects)."""
-    reselect_fn, recall_fn, choose = eng._reselect, eng.recall, reselect.choose_candidates
+    swap_fn, question_fn, choose = eng.reselection.swap, eng.reselect, reselect.choose_candidates
     chosen, asking = [None], [False]
 
     def choose_and_keep(tier, q, n_rows):
@@ -198,13 +198,13 @@ def watch(eng: Engine, facts: list[Fact], doc_end: int, now: list) -> None:
         now[2] = set(range(eng.n_past, eng.n_past + (len(probe) if pending is None else pending)))
         asking[0] = True
         try:
-            return recall_fn(probe, pending)
+            return question_fn(probe, pending)
         finally:
             asking[0] = False
 
     def wrapped(q, q_pos, *a, **kw):
         chosen[0] = None
-        moved = reselect_fn(q, q_pos, *a, **kw)
+        moved = swap_fn(q, q_pos, *a, **kw)
         fact = facts[now[0]]
         others = set().union(*(f.value for f in facts if f is not fact))
         att, pos = attention(eng, q, -1)
@@ -213,7 +213,7 @@ def watch(eng: Engine, facts: list[Fact], doc_end: int, now: list) -> None:
         return moved
 
     reselect.choose_candidates = choose_and_keep
-    eng._reselect, eng.recall = wrapped, question
+    eng.reselection.swap, eng.reselect = wrapped, question
 
 
 def watch_answer(eng: Engine, last: list, facts: list[Fact], doc_end: int, now: list) -> None:
@@ -227,14 +227,14 @@ def watch_answer(eng: Engine, last: list, facts: list[Fact], doc_end: int, now: 
         kept = copy.deepcopy(eng.observations), eng.last_probe
         eng.ctx.remove(p_last, -1)
         eng.n_past = p_last
-        q = eng._observe([last[0]])[0]
+        q = eng.observer.observe([last[0]])[0]
         fact = facts[now[0]]
         others = set().union(*(f.value for f in facts if f is not fact))
         att, pos = attention(eng, q, -1)
         now[3] = class_mass(att, pos, fact, others, doc_end), [qi[:, -1] for qi in q]
-        eng.logits = eng._decode([last[0]], [p_last], "last")
+        eng.logits = eng.cells.decode([last[0]], [p_last], "last")
         eng.n_past = p_last + 1
-        eng.observations, eng.last_probe = kept
+        eng.observer.observations, eng.observer.last_probe = kept
         yield from generate(*a, **kw)
 
     eng.generate = wrapped
@@ -263,7 +263,7 @@ def run(args) -> list[tuple[Turn, Fact, list[Fact], int]]:
     item = runner.items(specs[0], None)[0]
     max_tokens = len(model.tokenize(item.prompt)) + runner.chat_room(item)
     full, comp = (runner.engine(s, max_tokens) for s in specs)
-    sessions = [ChatSession(e, Sampler()) for e in (full, comp)]
+    sessions = [Turns(e, Sampler()) for e in (full, comp)]
     last, last_comp = last_tokens(full), last_tokens(comp)
     for s in sessions:
         s.ask(item.document + "\n\nRead this text; I will ask you about it.", max_tokens=8)

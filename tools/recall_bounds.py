@@ -27,7 +27,6 @@ from kvlocal.cli.bench import QUESTION, long_text
 from kvlocal.compress import observation_window
 from kvlocal.kernels import page_candidates
 from kvlocal.engine import Engine
-from kvlocal.engine.reselect import Reselection
 from kvlocal.models import resolve
 from kvlocal.recall import PAGE
 from kvlocal.runtime import Model
@@ -36,13 +35,14 @@ BUDGETS = (1, 2, 4)
 
 
 def measure(eng: Engine, q: list[np.ndarray], q_pos: np.ndarray, top: int, out: dict) -> None:
-    """One re-selection's figures (``q``: per compressed layer ``[Hq, w, d]``, as ``Engine._reselect`` gets them)."""
-    read = eng._read()
+    """One re-selection's figures (``q``: per compressed layer ``[Hq, w, d]``, as the re-selection's ``swap`` gets
+    them)."""
+    read = eng.compressor.read()
     w = observation_window(eng.scorer) or len(q_pos)
     scale = np.sqrt(eng.head_dim)  # the scaled queries' products are the logits times this
     layer_low = []
     for i, qi in enumerate(q):
-        qs = eng.basis.queries(qi[:, -w:] * eng._q_scale)  # what choose_candidates ranks pages by
+        qs = eng.basis.queries(qi[:, -w:] * eng.compressor.q_scale)  # what choose_candidates ranks pages by
         keys = eng.basis.keys(read.kv.k[i])  # [n, Hkv, d]
         heads = eng.tier.heads[i]
         group = qs.shape[0] // len(heads)
@@ -88,19 +88,16 @@ def main() -> None:
                  n_threads=args.threads, recall=True, recall_step_confidence=1.0, recall_steps=args.steps)
     eng.prefill(long_text(model, args.tokens), reselect_after=True)  # a document, as a chat reads it
     out = {"coverage": {b: [] for b in BUDGETS}, "bound": [], "exact": [], "layers_low": [], "off": []}
-    reselect = Reselection._reselect
+    swap = eng.reselection.swap
 
-    def observed(self, q, q_pos, *a, **kw):
-        measure(self, q, q_pos, args.top, out)
-        return reselect(self, q, q_pos, *a, **kw)
+    def observed(q, q_pos, *a, **kw):
+        measure(eng, q, q_pos, args.top, out)
+        return swap(q, q_pos, *a, **kw)
 
-    Reselection._reselect = observed
-    try:
-        eng.append(question, probe=question, recall=True)
-        for _ in eng.generate(args.steps, stop_at_eog=False):
-            pass
-    finally:
-        Reselection._reselect = reselect
+    eng.reselection.swap = observed  # this engine's re-selections only
+    eng.append(question, probe=question, question=True)
+    for _ in eng.generate(args.steps, stop_at_eog=False):
+        pass
     off = float(np.mean(out["off"]))
     print(f"{model.path.name} · {args.tokens:,} tokens read · head budget {eng.head_budget} · "
           f"{len(out['off'])} re-selections (the question, then the steps) · ~{off:,.0f} rows a head off the device")

@@ -31,16 +31,16 @@ Engine = engine_module.Engine
 
 
 def two_probes() -> None:
-    recall = Engine.recall
+    reselect = Engine.reselect
 
     def twice(self, probe=None, pending=None):
-        return recall(self, probe, pending) + recall(self, probe, pending)
+        return reselect(self, probe, pending) + reselect(self, probe, pending)
 
-    Engine.recall = twice
+    Engine.reselect = twice
 
 
 def document_mass(alpha: float) -> None:
-    apply, append = Engine._apply, Engine.append
+    append = Engine.append
 
     def mass(eng) -> None:
         end = getattr(eng, "_document_end", None)
@@ -54,17 +54,20 @@ def document_mass(alpha: float) -> None:
             add = (alpha * np.log(end / np.maximum(held, 1))).astype(np.float32)
             eng.ctx.set_bias(il, np.where(document & np.isfinite(b), add[:, None], b))
 
-    def applied(self, read, plan):
-        apply(self, read, plan)
-        mass(self)
-
-    def appended(self, tokens, probe=None, progress=None, recall=False, reselect_after=False):
-        if recall and getattr(self, "_document_end", None) is None and self.n_past > 0:
+    def appended(self, tokens, probe=None, progress=None, question=False, reselect_after=False):
+        if question and getattr(self, "_document_end", None) is None and self.n_past > 0:
             self._document_end = self.n_past  # the first question after the document's turn
             mass(self)
-        return append(self, tokens, probe, progress, recall, reselect_after)
+            apply = self.compressor.apply
 
-    Engine._apply, Engine.append = applied, appended
+            def applied(read, plan):  # every event and swap from here on: this engine's
+                apply(read, plan)
+                mass(self)
+
+            self.compressor.apply = applied
+        return append(self, tokens, probe, progress, question, reselect_after)
+
+    Engine.append = appended
 
 
 def engine_keywords(values: dict) -> None:

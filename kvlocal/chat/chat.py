@@ -41,9 +41,9 @@ from kvlocal.recall import TierMemory
 from kvlocal.backends import RowRecord
 from kvlocal.runtime import Model, Sampler, chat_sampling, runtime_info
 from kvlocal.settings import ChatSettings, RuntimeSettings, check_value_norm
-from kvlocal.chat.session import ChatSession, Transcript
+from kvlocal.chat.turns import Turns, Transcript
 from kvlocal.chat.texts import full_cache_text, mib_text, rate_text
-from kvlocal.chat.tools import CallFilter, check_tool_choice, check_tools, forced_prefix
+from kvlocal.chat.toolcalls import CallFilter, check_tool_choice, check_tools, forced_prefix
 
 Progress = Callable[[int, int], None]
 
@@ -123,7 +123,7 @@ class Chat:
                                      f"use a model whose template does (e.g. Qwen2.5), or leave tools out")
             self.settings = settings
             self.engine = self._new_engine(settings)
-            self.session = ChatSession(self.engine, self.sampler, system=system, pin_system=settings.pin_system,
+            self.turns = Turns(self.engine, self.sampler, system=system, pin_system=settings.pin_system,
                                        tools=tools, loop_guard=loop_guard)
         except BaseException:
             self.close()
@@ -143,7 +143,7 @@ class Chat:
         prefix, fmt = self._tool_choice(tool_choice)
         with self._lock:
             with self._turn(keep=True) as before:  # reading the message: undone if interrupted
-                reply = self.session.ask(new, max_tokens or self.settings.max_reply, progress, prefix=prefix)
+                reply = self.turns.ask(new, max_tokens or self.settings.max_reply, progress, prefix=prefix)
             self._hold_turn((*before, new, tool_choice))  # its mark stays open through the reply, for regen
             self.tool_calls = []
             s0 = dataclasses.replace(self.engine.stats)
@@ -166,7 +166,7 @@ class Chat:
                         yield rest
                 finally:
                     if calls.calls:  # kept with the reply's text (which the cache holds as the model wrote it)
-                        self.session.t.messages[-1].update(calls=list(calls.calls), shown="".join(shown))
+                        self.turns.t.messages[-1].update(calls=list(calls.calls), shown="".join(shown))
             finally:
                 self._note_rates(s0)
 
@@ -179,7 +179,7 @@ class Chat:
             raise UsageError("the prompt is empty")
         with self._lock:
             with self._turn():
-                reply = self.session.complete(prompt, max_tokens or self.settings.max_reply, progress)
+                reply = self.turns.complete(prompt, max_tokens or self.settings.max_reply, progress)
             self._hold_turn(None)
             s0 = dataclasses.replace(self.engine.stats)
             try:
@@ -191,7 +191,7 @@ class Chat:
     def text(self) -> str:
         """Everything the cache has read, as text: the rendered conversation (or a plain completion's prompt
         and continuation)."""
-        return self.session.t.fed_text
+        return self.turns.t.fed_text
 
     @property
     def tool_format(self) -> str | None:
@@ -216,7 +216,7 @@ class Chat:
         user message, and the next :meth:`send` asks about it. Returns its tokens. Ctrl-C cancels it."""
         text, name = _document(source, name)
         with self._turn():
-            return self.session.read(text, name=name, progress=progress)
+            return self.turns.read(text, name=name, progress=progress)
 
     def extend(self, messages: list[dict], progress: Progress | None = None) -> int:
         """Add an earlier conversation's finished messages (``{"role": "user"|"assistant"|"tool", "content": ...}``,
@@ -227,7 +227,7 @@ class Chat:
             if not ok or not (isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls"))):
                 raise UsageError(f"a message must be {{'role': 'user', 'assistant' or 'tool', 'content': str}}, got {m!r:.80}")
         with self._turn():
-            return self.session.extend(messages, progress)
+            return self.turns.extend(messages, progress)
 
     def regen(self, max_tokens: int | None = None) -> Iterator[str]:
         """Take back the last reply and generate it again (another draw when sampling)."""
@@ -244,8 +244,8 @@ class Chat:
         """Start over: an empty cache and transcript (the system message stays)."""
         with self._lock:
             self._check_open()
-            self._replace_engine(self.settings, Transcript(self.session.t.messages[:1] if self.settings.system else [],
-                                                           tools=self.session.t.tools))
+            self._replace_engine(self.settings, Transcript(self.turns.t.messages[:1] if self.settings.system else [],
+                                                           tools=self.turns.t.tools))
 
     def reconfigure(self, budget: str | float | int | None = None, method: str | None = None,
                     progress: Progress | None = None) -> None:
@@ -255,7 +255,7 @@ class Chat:
             self._check_open()
             settings = dataclasses.replace(self.settings, budget=self.settings.budget if budget is None else budget,
                                            method=method or self.settings.method)
-            self._replace_engine(settings, self.session.t.copy(), progress)
+            self._replace_engine(settings, self.turns.t.copy(), progress)
 
     @property
     def sampler(self) -> Sampler:
@@ -266,8 +266,8 @@ class Chat:
     def sampler(self, sampler: Sampler) -> None:
         with self._lock:
             self._sampler = sampler
-            if getattr(self, "session", None) is not None:
-                self.session.sampler = sampler
+            if getattr(self, "turns", None) is not None:
+                self.turns.sampler = sampler
 
     # -- figures --------------------------------------------------------------------------------------
     @property
@@ -276,7 +276,7 @@ class Chat:
         :attr:`tool_calls` gave them), not in its text."""
         with self._lock:
             out = []
-            for m in self.session.t.messages:
+            for m in self.turns.t.messages:
                 m = dict(m)
                 calls, shown = m.pop("calls", None), m.pop("shown", "")
                 if calls:
@@ -287,11 +287,11 @@ class Chat:
     @property
     def tools(self) -> list[dict] | None:
         """The tool definitions the model sees with every prompt (None: none)."""
-        return self.session.t.tools
+        return self.turns.t.tools
 
     @property
     def _tool_names(self) -> set[str]:
-        return {t["function"]["name"] for t in self.session.t.tools or ()}
+        return {t["function"]["name"] for t in self.turns.t.tools or ()}
 
     @property
     def stats(self) -> ChatStats:
@@ -324,7 +324,7 @@ class Chat:
         (the loop guard ended a reply that kept repeating one span: ``loop_guard``), ``"tool_calls"`` (it made
         tool calls, whatever else ended it); None before any reply, or for one its reader stopped without calls
         (Ctrl-C, a closed iterator, a stop string)."""
-        return "tool_calls" if self.tool_calls else self.session.finish
+        return "tool_calls" if self.tool_calls else self.turns.finish
 
     # -- saving ---------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> int:
@@ -339,7 +339,7 @@ class Chat:
                           "fingerprint": saved.model_fingerprint(self.model.path)},
                 "runtime": {"llama_cpp_python": info.version, "patch_abi": info.patch_abi},
                 "settings": dataclasses.asdict(self.settings),
-                "transcript": dataclasses.asdict(self.session.t),
+                "transcript": dataclasses.asdict(self.turns.t),
                 "engine": {"n_past": st.n_past, "last_token": st.last_token, "settled": st.settled,
                            "probe": st.probe, "reply": st.reply, "stats": st.stats},
             }
@@ -395,7 +395,7 @@ class Chat:
                 blob=a["state"], n_past=e["n_past"], last_token=e["last_token"], logits=a.get("logits"),
                 record=RowRecord(a["slot_pos"], a["slot_true"], a["slot_vnorm"], a["slot_count"]),
                 tier_mark=a.get("tier_n"), settled=e["settled"], probe=e["probe"], reply=e["reply"], stats=e["stats"]))
-            chat.session.t = Transcript(**h["transcript"])
+            chat.turns.t = Transcript(**h["transcript"])
             chat._rollback_before = chat.engine.stats.rollback_bytes  # no turn of this chat's yet
         except BaseException:
             chat.close()
@@ -433,11 +433,11 @@ class Chat:
         """Where a turn begins: the engine's mark (nothing copied unless an event runs before it is closed:
         :mod:`kvlocal.engine.undo`) and the transcript."""
         self._rollback_before = self.engine.stats.rollback_bytes
-        return self.engine.mark(), self.session.t.copy()
+        return self.engine.mark(), self.turns.t.copy()
 
     def _rollback(self, mark: TurnMark, transcript: Transcript) -> None:
         self.engine.undo(mark)
-        self.session.t = transcript.copy()
+        self.turns.t = transcript.copy()
 
     def _hold_turn(self, before_turn: tuple | None) -> None:
         """Keep ``before_turn`` for regen, closing the mark held before."""
@@ -475,19 +475,19 @@ class Chat:
         """A new engine holding ``transcript`` (read again), swapped in only when it is complete."""
         engine = self._new_engine(settings)
         try:
-            session = ChatSession(engine, self.sampler, pin_system=settings.pin_system, loop_guard=settings.loop_guard)
-            session.t = transcript
+            turns = Turns(engine, self.sampler, pin_system=settings.pin_system, loop_guard=settings.loop_guard)
+            turns.t = transcript
             if transcript.fed_text:
                 users = [m["content"] for m in transcript.messages if m["role"] == "user"]
                 tokens = self.model.tokenize(transcript.fed_text, add_special=True, parse_special=True)
                 probe = self.model.tokenize(users[-1], add_special=False) if users else None
-                session.pin(tokens)
+                turns.pin(tokens)
                 engine.prefill(tokens, probe=probe, progress=progress)
         except BaseException:
             engine.close()
             raise
         self.engine.close()
-        self.engine, self.session, self.settings = engine, session, settings
+        self.engine, self.turns, self.settings = engine, turns, settings
         self._before_turn, self._rollback_before = None, 0
 
 

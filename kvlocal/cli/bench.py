@@ -14,7 +14,7 @@ q8_0 cache — KV bytes, TTFT, decode tokens/s and the compression share, as a t
 figure of KV bytes, TTFT and decode speed against the context).
 
 ``--recall-cost`` measures the recall tier instead, per document length (``--contexts``) and backend: the
-document is read with recall on, then one question re-selects the cache (:meth:`kvlocal.engine.Engine.recall`) and
+document is read with recall on, then one question re-selects the cache (:meth:`kvlocal.engine.Engine.reselect`) and
 so do the first ``RECALL_STEPS`` tokens of its answer, which goes on until the compression that returns the cache to
 the budget; their seconds (the probe decodes included) as a share of the document's prefill (target <= 3%), the rows that crossed, and the host tier's bytes next to the device's KV bytes.
 """
@@ -390,7 +390,7 @@ def run_recall_cost(args, model: Model) -> int:
         s = eng.stats
         out0, in0, copied0, comp0 = s.recall_rows_out, s.recall_rows_in, eng.kv.host_kv_bytes, s.compression_seconds
         observe0 = s.compression_breakdown.get("observe", 0.0)
-        eng.append(question, probe=question, recall=True)
+        eng.append(question, probe=question, question=True)
         decode0 = s.decode_seconds
         answer = len(list(eng.generate(n_answer, stop_at_eog=False)))
         back = s.compression_seconds - comp0  # the turn's compressions: back to the budget past the answer's room

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from kvlocal.chat import Chat
+from kvlocal.chat.conversation import Turn
 from kvlocal.chat.texts import full_cache_text, mib_text, rate_text
 from kvlocal.errors import UsageError, worded
 
@@ -136,15 +137,17 @@ class Repl:
         return None
 
     def reply(self, start: Callable[[], Iterator[str]]) -> None:
-        """Stream a reply to stdout, then the status line. Ctrl-C: stop it, keeping what was written."""
+        """Stream a reply (a turn of the conversation core, :class:`~kvlocal.chat.conversation.Turn`) to stdout, then
+        the status line. Ctrl-C: stop it, keeping what was written."""
         n_messages = len(self.chat.messages)
-        pieces = start()
+        pieces = start()  # lazy: the message is read at the first step (/regen takes the last reply back now)
+        turn = Turn(self.chat, lambda: pieces)
         try:
-            for piece in pieces:
+            for piece in turn:
                 self.out.write(piece)
                 self.out.flush()
         except KeyboardInterrupt:
-            pieces.close()  # keeps the reply so far in the chat
+            turn.close()  # keeps the reply so far in the chat
             if len(self.chat.messages) == n_messages:  # stopped while the message was read: undone
                 raise
             self.out.write("\n")
@@ -154,8 +157,8 @@ class Repl:
             note = {"loop": f"[stopped: the reply kept repeating itself (--loop-guard {self.chat.settings.loop_guard}; "
                             f"0 turns the guard off); /regen draws another]",
                     "length": f"[stopped at the reply limit of {self.chat.settings.max_reply} tokens (-n)]"}
-            if self.chat.finish_reason in note:
-                self.say(note[self.chat.finish_reason])
+            if turn.result.finish_reason in note:
+                self.say(note[turn.result.finish_reason])
         self.out.flush()
         self.say(self.chat.status_line())
 

@@ -4,14 +4,14 @@ a snapshot of its state."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
 from kvlocal.compress import make_scorer, value_norm_refusal
 from kvlocal.errors import SettingError, UsageError
 from kvlocal.backends import RowRecord
-from kvlocal.runtime import N_UBATCH, top_probability
+from kvlocal.runtime import N_UBATCH
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,11 @@ class EngineStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def load(self, other: "EngineStats") -> None:
+        """Take ``other``'s figures, in place: the engine's parts count into this one object."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(other, f.name))
 
 
 def resolve_recall(recall: bool | None, method: str) -> bool:
@@ -222,15 +227,6 @@ def check_low_water(value, name: str = "low_water") -> None:
         if name == "low_water":  # the setting: each front door names it its own way
             raise SettingError(f"{{low_water}} {why}", "low_water")
         raise UsageError(f"{name} {why}")
-
-
-def step_keeps(held: int, every: int, confidence: float):
-    """An answer step's ``keep_if`` (:meth:`Engine._observe`): None where every step swaps; else a test of the
-    step's logits that is true where it keeps its decode — fewer than ``every`` steps past the last swap with the
-    ``held`` queries waiting, or a next token more probable than ``confidence``."""
-    if held + 1 < every:
-        return lambda logits: True
-    return None if confidence >= 1 else lambda logits: top_probability(logits) > confidence
 
 
 @dataclass

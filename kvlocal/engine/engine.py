@@ -22,7 +22,7 @@ a slot. A cell has one position (for the causal mask and for "the next token goe
 backend keeps each row's true source position (its ``RowRecord``) and the scorers use it for pooling and recency.
 
 The recall tier (``recall=``; :mod:`kvlocal.recall`): the rows an event evicts go to host memory, and a later
-question (``append(..., recall=True)``, :meth:`Engine.recall`) scores the device cells and the tier's best pages
+question (``append(..., question=True)``, :meth:`Engine.reselect`) scores the device cells and the tier's best pages
 together and swaps rows in and out, inside the same cells: while the question is answered the rows fill the
 context's headroom too (the cells prefill chunks use), and the answer's first compression returns to the budget.
 
@@ -38,7 +38,12 @@ the reply so far, observed by default by the queries those tokens had when decod
 (``decode_observe="kept"``, :meth:`Observations.kept`), so a long reply is scored by what it says now too.
 ``prefill_observe="window"`` scores a prompt's events before its last by their chunk's own last tokens instead of the
 probe (no decode of ours; measured to find fewer facts, not the default). The decodes behind all of these are
-:class:`~kvlocal.engine.observing.Observing`'s.
+:class:`~kvlocal.engine.observer.Observer`'s.
+
+The engine holds its parts and calls them, each with the state it owns: the cells (:class:`~kvlocal.engine.cells.
+Cells`: ``n_past``, the logits), the observer, the compressor (:class:`~kvlocal.engine.compressor.Compressor`: the
+backend, the scorer, the latest plan), the re-selection (:class:`~kvlocal.recall.Reselection`: the tier, the answer's
+step state) and positions (:class:`~kvlocal.engine.positions.Positions`).
 
 Ctrl-C (KeyboardInterrupt) at any point leaves the engine as it was before the interrupted chunk or token: cells
 past the last completed position are removed, and a compression event either completes or leaves the previous
@@ -49,26 +54,27 @@ lock). Several engines may share nothing but the read-only W_O cache.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
+import weakref
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, norm_p, observation_window, plan_layers
-from kvlocal.engine.config import DECODE_OBSERVE, OBSERVE_EVERY, PLAN_WORKERS, PREFILL_OBSERVE, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_ROOM, RECALL_STEP_EVERY, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_low_water, resolve_method_params, resolve_recall
+from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, norm_p
+from kvlocal.engine.cells import Cells
+from kvlocal.engine.compressor import Compressor
+from kvlocal.engine.config import DECODE_OBSERVE, OBSERVE_EVERY, PREFILL_OBSERVE, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_ROOM, RECALL_STEP_EVERY, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_low_water, resolve_method_params, resolve_recall
 from kvlocal.engine.interrupts import interrupts_deferred
 from kvlocal.engine.observation import Observations, Rope
-from kvlocal.engine.observing import Observing
-from kvlocal.engine.positions import reposition
-from kvlocal.engine.reselect import Reselection
+from kvlocal.engine.observer import Observer
+from kvlocal.engine.positions import Positions
 from kvlocal.engine.undo import TurnMark, after_apply, before_apply, before_reposition, open_mark, release, undo
 from kvlocal.errors import CacheFull, RuntimeUnavailable, SettingError, UsageError
-from kvlocal.recall import HostTier, TierMemory, evicted, store_evicted, tier_figures
-from kvlocal.backends import CacheRead, make_backend, output_projections, resolve_backend
-from kvlocal.runtime import (CacheBasis, CacheLost, Context, Model, QueryCapture, Sampler, bytes_per_value, flash_attention,
+from kvlocal.recall import HostTier, Reselection, TierMemory, tier_figures
+from kvlocal.backends import make_backend, output_projections, resolve_backend
+from kvlocal.runtime import (CacheBasis, Context, Model, QueryCapture, Sampler, bytes_per_value, flash_attention,
                              has_attention_bias, kv_cache_bytes, pad_cells, row_format)
 
 # A generic observation window for when the question is not known yet (a document read before the
@@ -78,7 +84,14 @@ from kvlocal.runtime import (CacheBasis, CacheLost, Context, Model, QueryCapture
 AGNOSTIC_PROBE = "\n\nRepeat the text above, with every name, number and key fact in it."
 
 
-class Engine(Reselection, Observing):
+def _part(part: str, name: str, doc: str, settable: bool = False) -> property:
+    """The attribute ``name`` of the engine's part ``part`` (its owner), read — and with ``settable`` set — on the
+    engine, as its callers always have."""
+    put = (lambda self, value: setattr(getattr(self, part), name, value)) if settable else None
+    return property(lambda self: getattr(getattr(self, part), name), put, doc=doc)
+
+
+class Engine:
     """A llama.cpp context whose KV cache stays within a budget.
 
     ``Engine(model, budget=0.1, method="criticalkv")``, then ``prefill(tokens, probe=...)`` and
@@ -136,7 +149,7 @@ class Engine(Reselection, Observing):
         self.cfg = EngineConfig(budget, method, chunk, recent, n_sink, max_tokens, observe_every, decode_observe,
                                 prefill_observe, resolve_low_water(low_water, recall))
         self.cfg.validate()
-        self.scorer = make_scorer(method, **resolve_method_params(method, method_params))  # e.g. {"value_norm": "l1"}
+        scorer = make_scorer(method, **resolve_method_params(method, method_params))  # e.g. {"value_norm": "l1"}
         resolve_backend(backend, type_k, type_v, recall=recall)  # a refusal before the model loads
         if method in BIAS_METHODS and not has_attention_bias():
             raise RuntimeUnavailable(f"{{method}} {method} needs kvlocal's patched llama.cpp (a per-head attention "
@@ -153,29 +166,28 @@ class Engine(Reselection, Observing):
         self.basis = None if method == "full" else CacheBasis.for_cache(type_k, type_v, m.arch.head_dim_k, m.arch.head_dim_v)
         self.bytes_per_value = (bytes_per_value(type_k) + bytes_per_value(type_v)) / 2  # of K and V, for the formulas
         # the scorers compute q·k/√d; the model's logits are q·k·attn_scale: scale the queries once
-        self._q_scale = np.float32(m.arch.attn_scale * math.sqrt(self.head_dim))
-        floor = self.scorer.max_slots(n_sink + recent)  # every head's share holds the sinks and the recent span
+        q_scale = np.float32(m.arch.attn_scale * math.sqrt(self.head_dim))
+        floor = scorer.max_slots(n_sink + recent)  # every head's share holds the sinks and the recent span
         # the budget is memory, for every method: the cells a compression may leave (a budget above what the
         # session may see is just the full cache)
         self.budget_cells = max_tokens if method == "full" else min(budget.cells_for(max_tokens, floor), max_tokens)
         # each head's mean share of them: all of them, or less where heads share the cells unevenly (AdaKV: a
         # layer's cells hold its widest head, up to max_share × the mean; the others' surplus slots are masked
         # out by a -inf bias)
-        self.head_budget = self.budget_cells if method == "full" else self.scorer.budget_for_cells(self.budget_cells)
-        self.slot_cells = min(self.scorer.max_slots(self.head_budget), max_tokens)
-        self._settled = self.budget_cells  # cells right after the latest compression (the budget before any)
-        self._wo = output_projections(str(m.path)) if self.scorer.needs_wo else None
+        self.head_budget = self.budget_cells if method == "full" else scorer.budget_for_cells(self.budget_cells)
+        self.slot_cells = min(scorer.max_slots(self.head_budget), max_tokens)
+        self._wo = output_projections(str(m.path)) if scorer.needs_wo else None
         # llama.cpp pads n_ctx (to 256 cells here); prefill chunks then fill whatever is free, so the
         # effective chunk is n_ctx - budget - probe >= chunk
         headroom = 0 if method == "full" else chunk + recent
-        self.capture = QueryCapture.for_model(m)
+        capture = QueryCapture.for_model(m)
         n_ctx = self.slot_cells + headroom
         if m.arch.has_swa:  # the sliding cache shares n_ctx: it must hold the window and a chunk with its probe
             n_ctx = max(n_ctx, m.arch.n_swa + chunk + recent)
         if endless and pad_cells(n_ctx) + self._recent_span_of(m) > m.n_ctx_train:
             raise self._no_room(pad_cells(n_ctx))  # before llama.cpp allocates a cache that cannot work
         self.ctx = Context(m, n_ctx=n_ctx, n_batch=min(n_ctx, 2048), n_threads=n_threads,
-                           type_k=type_k, type_v=type_v, cb_eval=self.capture.callback,
+                           type_k=type_k, type_v=type_v, cb_eval=capture.callback,
                            flash_attn=flash_attention(flash_attn, type_v, biased=method in BIAS_METHODS,
                                                       offloaded=m.n_gpu_layers != 0,
                                                       head_dims=(m.arch.head_dim_k, m.arch.head_dim_v)))
@@ -189,52 +201,54 @@ class Engine(Reselection, Observing):
                                                                   bytes_per_elem=self.bytes_per_value)))
         # where events read and write the cache, and its record of each row's true position and count
         self.kv = make_backend(self.backend, self.ctx, self.layers, m.n_head_kv, self.head_dim, self.basis, self._wo,
-                               norm_p(self.scorer))
+                               norm_p(scorer))
         self.kv.prepare()  # its one-time work for the model (W_O's factors), not the first event's
-        # the recall tier: every row an event evicts, brought back by a later question (:meth:`recall`)
+        # the cells, their positions and logits: what every part below decodes into or rewrites
+        self.cells = Cells(self.ctx, capture, self.kv, self.stats)
+        # the recall tier: every row an event evicts, brought back by a later question (:meth:`reselect`)
         if recall_span not in ("page", "row"):
             raise UsageError(f"recall_span {recall_span!r}: choose page or row")
-        self.recall_span = recall_span
-        # tier rows scored exactly per head at a question, as a multiple of the budget (the best pages by bound)
-        self.recall_candidates = float(recall_candidates)
-        # the first tokens of an answer re-select too, each observed by its own query (:meth:`_recall_step`)
+        # the first tokens of an answer re-select too, each observed by its own query (Reselection.step)
         if recall_steps < 0 or recall_step_every < 1:
             raise UsageError(f"recall_steps {recall_steps} must be >= 0 (0: only the question re-selects), "
                              f"recall_step_every {recall_step_every} >= 1")
-        # a step's tier rows scored (× the budget); above the confidence a step keeps its decode unswapped, and so do
-        # the steps fewer than recall_step_every past the last swap
-        self.recall_steps, self.recall_step_candidates = int(recall_steps), float(recall_step_candidates)
-        self.recall_step_confidence, self.recall_step_every = float(recall_step_confidence), int(recall_step_every)
         if recall_room < 0:
             raise UsageError(f"recall_room {recall_room} must be >= 0 (0: a re-selection keeps the budget's rows)")
-        self.recall_room = int(recall_room)  # cells a re-selection leaves for the answer
-        self._answering = False  # the tokens generated now answer a question that re-selected the cache
-        self._held: tuple[list[np.ndarray], np.ndarray] | None = None  # the queries of kept steps, for the next swap
         self.tier = HostTier(len(self.layers), m.n_head_kv, row_format(type_k, m.arch.head_dim_k),
                              row_format(type_v, m.arch.head_dim_v), m.arch.head_dim_k, TierMemory.of(recall_mem),
                              recall_dir) if recall else None
-        self._broken: str | None = None  # set when a failed rewrite lost the cache: nothing more may run
         self._marks: list[TurnMark] = []  # turns that may still be undone (:meth:`mark`), oldest first
-        self.n_past = 0  # next position
-        self.logits: np.ndarray | None = None
         self.last_token = -1
-        self.last_plan: Plan | None = None  # the latest compression event's plan (its layers: self.layers)
         self.prompt_plan: Plan | None = None  # the plan in effect when the prompt ended (--dump-plan)
-        self.last_probe: list[int] = []  # the tokens whose queries scored the latest event
         self._probe: list[int] | None = None  # the probe of the last prefill/append
-        # prefill events between two decodes of the probe are scored by its queries moved by RoPE
-        self.observations = Observations(Rope.of(m) if method != "full" else None, self.cfg.observe_every)
         self._reply: list[int] = []  # tokens generated since the last prefill/append
+        # prefill events between two decodes of the probe are scored by its queries moved by RoPE
+        self.observer = Observer(self.cells, self.cfg, Observations(Rope.of(m) if method != "full" else None,
+                                                                    self.cfg.observe_every), self.stats)
+        me = weakref.proxy(self)  # (the undo log's hooks: no cycle that would keep llama.cpp's context alive)
+        self.compressor = Compressor(self.cells, self.observer, self.kv, scorer, self.tier, self.stats, self.cfg,
+                                     basis=self.basis, q_scale=q_scale, head_budget=self.head_budget,
+                                     budget_cells=self.budget_cells, wo=self._wo,
+                                     before_apply=lambda read, plan: before_apply(me, read, plan),
+                                     after_apply=lambda rewrite, rows: after_apply(me, rewrite, rows))
+        # tier rows scored exactly per head at a question, as a multiple of the budget (the best pages by bound); a
+        # step's (× the budget); above the confidence a step keeps its decode unswapped, and so do the steps fewer than
+        # recall_step_every past the last swap; recall_room: cells a re-selection leaves for the answer
+        self.reselection = Reselection(self.tier, self.observer, self.compressor, self.stats, n_ctx=self.ctx.n_ctx,
+                                       reserve=self._reserve(), candidates=float(recall_candidates),
+                                       steps=int(recall_steps), step_candidates=float(recall_step_candidates),
+                                       step_confidence=float(recall_step_confidence),
+                                       step_every=int(recall_step_every), room=int(recall_room), span=recall_span)
         # endless (a chat): past max_tokens the session goes on inside the same budget, and its positions
-        # are moved back under the trained context whenever they would pass it (:func:`kvlocal.engine.positions.reposition`)
+        # are moved back under the trained context whenever they would pass it
         self.endless = endless
-        self.position_limit = m.n_ctx_train  # positions an endless session stays under
-        self._recent_span = self._recent_span_of(m)
+        self.positions = Positions(self.cells, self.observer, self.tier, self.basis, self.stats, limit=m.n_ctx_train,
+                                   recent_span=self._recent_span_of(m), sliding=m.arch.has_swa)
         if endless:
             if method == "full":
                 raise SettingError("an endless session needs a compression method: {method} full keeps every token",
                                    "method")
-            if self.ctx.n_ctx + self._recent_span + self.ctx.n_batch > m.n_ctx_train:
+            if self.ctx.n_ctx + self.positions.recent_span + self.ctx.n_batch > m.n_ctx_train:
                 raise self._no_room(self.ctx.n_ctx)
         self.stats.setup_seconds = time.perf_counter() - made
 
@@ -245,6 +259,17 @@ class Engine(Reselection, Observing):
 
     def _recent_span_of(self, m: Model) -> int:
         return max(self.cfg.recent, m.arch.n_swa if m.arch.has_swa else 0)
+
+    # -- what the parts own, read (and set) where the engine is -------------------------------------
+    n_past = _part("cells", "n_past", "The next token's position.", settable=True)
+    logits = _part("cells", "logits", "The last decoded token's logits (None before any).", settable=True)
+    capture = _part("cells", "capture", "The context's query capture (its eval callback).")
+    scorer = _part("compressor", "scorer", "The method's scorer (:mod:`kvlocal.compress`).", settable=True)
+    last_plan = _part("compressor", "last_plan", "The latest compression event's plan (its layers: ``layers``).")
+    last_probe = _part("observer", "last_probe", "The tokens whose queries scored the latest event.")
+    observations = _part("observer", "observations", "The probe queries later events reuse (:class:`Observations`).")
+    position_limit = _part("positions", "limit", "The positions an endless session stays under (the trained context).",
+                           settable=True)
 
     # -- public API ---------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int], probe: Sequence[int] | None = None,
@@ -265,7 +290,7 @@ class Engine(Reselection, Observing):
         probe = self._probe_tokens(probe)
         self._probe, self._reply = probe, []
         self.observations.drop_tokens()
-        self._answering = False
+        self.reselection.answering = False
         observed = None  # the probe's queries over the cache as it is now
         i = 0
         while i < len(tokens):
@@ -276,15 +301,18 @@ class Engine(Reselection, Observing):
             self._fit_positions(room + len(probe))
             chunk = list(tokens[i:i + room])
             last = i + len(chunk) >= len(tokens)
+            # a compression may follow the chunk: it is observed
+            follows = self.cfg.method != "full" and self.live_cells() + len(chunk) > self.compressor.settled
             if self.cfg.prefill_observe == "window" and not last:
-                observed = self._decode_chunk(chunk, probe, window=True)
+                observed = self.observer.decode_chunk(chunk, probe, follows, window=True)
             else:  # the event that ends the prompt is observed afresh where generation starts from its cache
                 fresh = last and not (reselect_after and self.tier is not None)
-                observed = self._decode_chunk(chunk, probe, fresh or self.observations.needs_decode(probe))
+                observed = self.observer.decode_chunk(chunk, probe,
+                                                      follows and (fresh or self.observations.needs_decode(probe)))
             i += len(chunk)
             if progress is not None:
                 progress(i, len(tokens))
-        if self.live_cells() > self._settled:
+        if self.live_cells() > self.compressor.settled:
             self._compress(probe, observed)
         self.stats.prompt_tokens += len(tokens)
         if self.prompt_plan is None:
@@ -296,36 +324,50 @@ class Engine(Reselection, Observing):
                     answer: bool = True) -> np.ndarray:
         """Read a prompt that ends with its question, as ``kvlocal run`` does: with a recall tier, all but its last
         ``tail`` tokens (:meth:`prefill` with ``reselect_after``), then the cache re-selected for ``probe`` before the
-        tail is decoded (:meth:`append` with ``recall``), so that the question's tokens attend to what came back;
+        tail is decoded (:meth:`append` with ``question``), so that the question's tokens attend to what came back;
         ``answer=False`` then leaves the answer's first tokens to the cache as it is (a benchmark's decode, not the
         answer's re-selecting steps). Without a tier, or for a prompt of ``tail`` tokens or fewer, :meth:`prefill`.
         Returns the last logits."""
         if self.tier is None or tail <= 0 or len(tokens) <= tail:
             return self.prefill(tokens, probe=probe)
         self.prefill(tokens[:-tail], probe=probe, reselect_after=True)
-        logits = self.append(tokens[-tail:], probe=probe, recall=True)
-        self._answering = self._answering and answer
+        logits = self.append(tokens[-tail:], probe=probe, question=True)
+        self.reselection.answering = self.reselection.answering and answer
         return logits
 
     def append(self, tokens: Sequence[int], probe: Sequence[int] | None = None,
-               progress: Callable[[int, int], None] | None = None, recall: bool = False,
+               progress: Callable[[int, int], None] | None = None, question: bool = False,
                reselect_after: bool = False) -> np.ndarray:
-        """Add a later turn to the compressed cache (the history is never decoded again). ``recall``: the
-        turn is a question — with a recall tier, the cache is re-selected for it first (:meth:`recall`),
+        """Add a later turn to the compressed cache (the history is never decoded again). ``question``: the
+        turn is a question — with a recall tier, the cache is re-selected for it first (:meth:`reselect`),
         so that its own tokens already attend to what came back. ``reselect_after``: as :meth:`prefill`'s."""
-        if recall:
-            self.recall(probe if probe is not None else tokens, pending=len(tokens))
+        if question:
+            self.reselect(probe if probe is not None else tokens, pending=len(tokens))
         logits = self.prefill(tokens, probe, progress, reselect_after=reselect_after)
-        self._answering, self._held = recall and self.tier is not None, None
+        self.reselection.answering, self.reselection.held = question and self.tier is not None, None
         return logits
+
+    def reselect(self, probe: Sequence[int] | None, pending: int | None = None) -> int:
+        """Re-select the cache for a new question with the recall tier (:mod:`kvlocal.recall`,
+        :meth:`Reselection.question <kvlocal.recall.Reselection.question>`): the question's probe (its last ``recent``
+        tokens; None: the generic probe) scores the device cells and the tier's best pages together, and rows are
+        swapped in and out. ``pending``: the tokens that come next (the question; the probe's by default), whose cells
+        the re-selection leaves free. Returns the rows brought back (0 without a tier, or when it holds nothing off
+        the device)."""
+        if self.tier is None or self.tier.n_rows == 0:
+            return 0
+        self._check_usable()
+        pending = len(probe or ()) if pending is None else pending
+        return self.reselection.question(self._probe_tokens(probe), pending)
 
     def generate(self, max_new: int, sampler: Sampler | None = None, stop_at_eog: bool = True) -> Iterator[int]:
         """Yield up to max_new tokens; the end-of-generation token is kept in the cache, not yielded.
 
         New tokens fill the cells the prefill chunks used (``slack`` = n_ctx - budget - probe cells);
         when those are full the cache is compressed back to the budget, scored by :meth:`decode_probe`. After a
-        question (``append(..., recall=True)``) the first ``recall_steps`` tokens re-select the cache with the
-        recall tier before they are decoded (:meth:`_recall_step`; their time counts in ``decode_seconds``)."""
+        question (``append(..., question=True)``) the first ``recall_steps`` tokens re-select the cache with the
+        recall tier before they are decoded (:meth:`Reselection.step <kvlocal.recall.Reselection.step>`; their time
+        counts in ``decode_seconds``)."""
         self._check_usable()
         if self.logits is None:
             raise UsageError("nothing to continue: prefill a prompt before generating")
@@ -335,16 +377,16 @@ class Engine(Reselection, Observing):
             t0 = time.perf_counter()
             self._check_cap(1)
             if self._fit_positions(1 + self.cfg.recent):
-                self._held = None  # queries at positions that moved
+                self.reselection.held = None  # queries at positions that moved
             if self._free_cells() < 1:
                 self._compress(self.decode_probe(), decoding=True)
             eog = self.model.is_eog(tok)
-            decoded = self._answering and len(self._reply) < self.recall_steps and not eog and self._recall_step(tok)
+            decoded = self.reselection.answers(len(self._reply), eog) and self.reselection.step(tok)
             if not decoded:
-                self._decode_token(tok)
+                self.observer.decode_token(tok, self._free_cells())
             self.last_token = tok
             self._reply.append(tok)
-            self._note_live()
+            self.cells.note_live()
             self.stats.decode_seconds += time.perf_counter() - t0
             if stop_at_eog and eog:
                 self.stats.end_tokens += 1
@@ -361,7 +403,7 @@ class Engine(Reselection, Observing):
             blob=self.kv.save(), n_past=self.n_past, last_token=self.last_token,
             logits=None if self.logits is None else self.logits.copy(), record=self.kv.record.copy(),
             tier_mark=None if self.tier is None else self.tier.mark_of(),
-            settled=self._settled, probe=None if self._probe is None else list(self._probe), reply=list(self._reply),
+            settled=self.compressor.settled, probe=None if self._probe is None else list(self._probe), reply=list(self._reply),
             stats=self.stats.as_dict())
 
     def mark(self) -> TurnMark:
@@ -392,7 +434,7 @@ class Engine(Reselection, Observing):
             try:
                 self.kv.load(state.blob)
             except RuntimeError:
-                self._note_live()
+                self.cells.note_live()
                 raise UsageError("llama.cpp refused the saved cells (another runtime build or cache type?); "
                                  "the session is as it was") from None
             self.n_past, self.last_token = state.n_past, state.last_token
@@ -400,17 +442,17 @@ class Engine(Reselection, Observing):
             self.kv.record = state.record.copy()
             if self.tier is not None:  # the undone turn's rows are forgotten, the rows back on the device flagged
                 self.tier.truncate(state.tier_mark if state.tier_mark is not None else self.tier.mark_of() * 0)
-                self.tier.sync(self._read().true)
-            self._settled = state.settled
+                self.tier.sync(self.compressor.read().true)
+            self.compressor.settled = state.settled
             self.observations.forget()
             self._probe = None if state.probe is None else list(state.probe)
             self._reply = list(state.reply)
-            self._answering = False  # a restored answer goes on without re-selecting
+            self.reselection.answering = False  # a restored answer goes on without re-selecting
             self._marks.clear()  # they describe the cells replaced
             fixed = {k: getattr(self.stats, k) for k in ("n_ctx", "kv_bytes_allocated", "kv_bytes_swa",
                                                          "kv_bytes_measured", "kv_bytes_full", "budget_cells")}
-            self.stats = EngineStats(**{**state.stats, **fixed})
-            self._note_live()
+            self.stats.load(EngineStats(**{**state.stats, **fixed}))
+            self.cells.note_live()
 
     def pin(self, n: int) -> None:
         """Never evict the first ``n`` tokens of the session (a system prompt, tool definitions): they are
@@ -428,7 +470,7 @@ class Engine(Reselection, Observing):
         return self.ctx.n_ctx - self.slot_cells - self.cfg.recent
 
     def live_cells(self) -> int:
-        return self.stats.kv_cells_live
+        return self.cells.live()
 
     def kv_figures(self) -> dict:
         """The cache's memory under the names every front door prints (the chat's status line and ``/stats``,
@@ -451,6 +493,14 @@ class Engine(Reselection, Observing):
         if self.tier is not None:
             self.tier.close()
 
+    def decode_probe(self) -> list[int]:
+        """The probe of a decode-time event: the last half-window of the prompt's probe followed by the
+        last half-window of the reply so far (the whole window for whichever is short)."""
+        probe = self._probe or self._probe_tokens(None)
+        w = self.cfg.recent
+        reply = self._reply[-(w // 2):] if w > 1 else []
+        return (probe[-(w - len(reply)):] + reply)[-w:]
+
     def _probe_tokens(self, probe: Sequence[int] | None) -> list[int]:
         probe = list(probe) if probe else self.model.tokenize(AGNOSTIC_PROBE, add_special=False)
         return probe[-self.cfg.recent:]
@@ -466,8 +516,7 @@ class Engine(Reselection, Observing):
 
     # -- internals ------------------------------------------------------------------------------------
     def _check_usable(self) -> None:
-        if self._broken:
-            raise RuntimeError(f"this engine lost its cache ({self._broken}): start a new one")
+        self.cells.check_usable()
 
     def _check_cap(self, n: int) -> None:
         cap = self.cfg.max_tokens
@@ -482,39 +531,9 @@ class Engine(Reselection, Observing):
         """Endless sessions: if the next n positions would pass the trained context, reposition first."""
         if self.endless and self.n_past + n > self.position_limit:
             before_reposition(self)  # an open turn keeps the cells and the tier this renumbers
-            reposition(self, n)
+            self.positions.move(n)
             return True
         return False
-
-    @contextlib.contextmanager
-    def _rollback(self):
-        """Run a decode; if it fails or is interrupted (Ctrl-C), remove every cell past ``n_past`` so the
-        cache is what it was before, and re-raise."""
-        try:
-            yield
-        except BaseException:
-            self.capture.disarm()
-            self.ctx.remove(self.n_past, -1)
-            self._note_live()
-            raise
-
-    def _decode(self, tokens, positions, logits) -> np.ndarray:
-        """``ctx.decode`` under Ctrl-C control: a SIGINT while llama.cpp computes (and calls our eval
-        callback, where a KeyboardInterrupt would be swallowed by ctypes) stops the graph at its next
-        node and is raised when llama.cpp returns (inside :meth:`_rollback`, which drops the cells)."""
-        try:
-            with interrupts_deferred(self.capture.request_stop):
-                return self.ctx.decode(tokens, positions, logits)
-        finally:
-            self.capture.clear_stop()
-
-    def _note_live(self) -> None:
-        self.stats.kv_cells_live = len(self.kv.positions())
-        self.stats.kv_cells_live_peak = max(self.stats.kv_cells_live_peak, self.stats.kv_cells_live)
-
-    def _read(self) -> CacheRead:
-        """The cells as one event reads them (a seam for tests that record what was scored)."""
-        return self.kv.read()
 
     def _low_water(self, remaining: int) -> int | None:
         """A head's rows after an event inside a prompt with ``remaining`` tokens to read (None: its budget): no
@@ -528,72 +547,6 @@ class Engine(Reselection, Observing):
 
     def _compress(self, probe: Sequence[int], observed=None, decoding: bool = False,
                   head_budget: int | None = None) -> None:
-        """One compression event back to the budget (``head_budget``: to fewer rows per head); ``observed``: the
-        probe's queries if the last decode captured them over this cache, else the probe is decoded now
-        (``decoding``: an event while generating, observed by the queries its probe's tokens had, if kept)."""
-        clock = time.perf_counter
-        t0 = clock()
-        if observed is None and decoding:
-            observed = self._kept_observation(probe)
-        if observed is None:
-            o = self.observations
-            if o.needs_decode(probe):
-                observed = self._observe(probe)[:2]
-            else:
-                observed = o.moved(self.n_past)
-                self.stats.observations_moved += 1
-        q, q_pos = observed
-        t1 = clock()
-        read = self._read()
-        t2 = clock()
-        plan = self._plan(read, q, q_pos, head_budget)
-        t3 = clock()
-        self._apply(read, plan)
-        t4 = clock()
-        s = self.stats
-        s.compression_events += 1
-        s.compression_seconds += t4 - t0
-        for name, dt in (("observe", t1 - t0), ("read", t2 - t1), ("score", t3 - t2), ("apply", t4 - t3)):
-            s.compression_breakdown[name] = s.compression_breakdown.get(name, 0.0) + dt
-
-    def _plan(self, read: CacheRead, q: list[np.ndarray], q_pos: np.ndarray, head_budget: int | None = None) -> Plan:
-        """The scorer's plan for the cells of ``read``, observed by the queries ``q`` at ``q_pos`` (each head keeps
-        ``head_budget`` rows, the budget's by default)."""
-        inputs = self.kv.layer_inputs(read, [qi * self._q_scale for qi in q], q_pos,
-                                      n_sink=max(self.cfg.n_sink, self.stats.kv_cells_pinned),
-                                      recent=self.cfg.recent, window_size=observation_window(self.scorer))
-        plan = plan_layers(self.scorer, inputs, head_budget or self.head_budget,
-                           workers=min(self.ctx.n_threads, PLAN_WORKERS))
-        self.last_plan = plan
-        return plan
-
-    def _apply(self, read: CacheRead, plan: Plan) -> None:
-        """Write ``plan`` into the cache; with a tier, the device rows it drops go there (room for them is made
-        and the rows are copied before the cache changes: a full disk fails here, the cache as it was)."""
-        rewrite = before_apply(self, read, plan)  # what an open turn needs to undo this event
-        if self.tier is not None:
-            gone = evicted(read, plan)
-            self.tier.reserve(np.stack([np.bincount(heads, minlength=plan.n_kv) for _, heads in gone]))
-            rows = [self.kv.take_rows(read, l, cells, heads) for l, (cells, heads) in enumerate(gone)]
-        # the cells, the engine's record of them and the tier change together: a Ctrl-C waits for all
-        with interrupts_deferred():
-            try:
-                self.kv.apply(read, plan)
-            except CacheLost as e:
-                self._broken = str(e)
-                raise
-            finally:
-                self._note_live()
-            self._settled = max(self.budget_cells, plan.n_slots)
-            dropped = self.tier.dropped_rows if self.tier is not None else 0
-            if self.tier is not None:
-                store_evicted(self.tier, read, plan, self.basis, gone, rows)
-            after_apply(self, rewrite, rows if self.tier is not None and self.tier.dropped_rows > dropped else None)
-        s = self.stats
-        s.host_kv_bytes, s.host_bytes_peak = self.kv.host_kv_bytes, self.kv.host_bytes_peak
-        s.device_transfers = self.ctx.counters()["transfers"]
-        s.wo_cache_bytes = self._wo.nbytes if self._wo is not None else 0
-        if self.tier is not None:
-            t = self.tier
-            s.host_tier_bytes, s.recall_rows_out, s.recall_rows_in = t.nbytes, t.rows_out, t.rows_in
-            s.recall_dropped_rows = t.dropped_rows
+        """One compression event (:meth:`Compressor.compress <kvlocal.engine.compressor.Compressor.compress>`), a
+        decode-time one observed with the reply so far."""
+        self.compressor.compress(probe, observed, decoding, head_budget, self._reply)

@@ -136,8 +136,3 @@ class Observations:
         q = [np.concatenate(layer, axis=1) for layer in zip(*parts)]
         target = np.arange(p0, p0 + len(pos))
         return [self.rope.rotate(qi, np.broadcast_to(target - pos, qi.shape[:2])) for qi in q], target
-
-
-def joined(a, b):
-    """Two observations (per compressed layer queries ``[Hq, w, d]``, and positions ``[w]``) as one, ``a`` first."""
-    return [np.concatenate(x, axis=1) for x in zip(a[0], b[0])], np.concatenate([a[1], b[1]])

@@ -15,73 +15,84 @@ from kvlocal.backends import RowRecord
 FREE_SHARE = 0.25
 
 
-def reposition(engine, need: int = 1) -> None:
-    """Move the cache's positions back into the trained range, as StreamingLLM does ("positions within
-    the cache"): the cells older than the recent span (``recent``; a sliding-window model's window)
-    take consecutive positions 0, 1, ... in their order, and the recent span follows them shifted as one
-    block, so recent tokens keep their exact distances and old ones keep their order. llama.cpp
-    re-rotates the keys (K-shift) at the next decode. The rows' recorded positions (the scorers' order
-    and recency) become their cell's new position in the old part and shift with the block in the
-    recent one — kept strictly increasing per head, which the plans require.
+class Positions:
+    """An endless session's positions: ``limit`` (the trained context) is what they stay under, ``recent_span`` the
+    newest positions that move as one block (``recent``, or a sliding-window model's window: ``sliding``). A move
+    renumbers ``cells`` and their record, ``tier``'s rows (None: no tier; their keys turned by ``basis``) and forgets
+    ``observer``'s kept queries; its figures go to ``stats``."""
 
-    With a recall tier the old part also keeps the tier's history from a cut-off position on — the
-    latest rows that fit, leaving at least ``max(need, FREE_SHARE × the trained context)`` positions free
-    (:func:`_history`). The kept positions are numbered together with the cells, every head's tier
-    rows and device rows stay distinct and in order, and the tier's keys are turned by RoPE to their new
-    positions (:meth:`~kvlocal.runtime.CacheBasis.turn_keys`, as llama.cpp's K-shift turns the cells').
-    Older tier rows, and tier copies of rows now on the device, are forgotten (``recall_dropped_rows``).
-    Where kvlocal cannot reproduce the model's RoPE (:meth:`Rope.of` is None) the tier is cleared."""
-    t0 = time.perf_counter()
-    ctx, tier = engine.ctx, engine.tier
-    cells = np.unique(engine.kv.positions()).astype(np.int64)
-    true, vnorm, count = engine.kv.record.rows(cells)  # every live cell's rows, those added since the last plan too
-    span = engine._recent_span
-    recent = engine.n_past - span
-    old = cells[cells < recent]
-    rope = engine.observations.rope
-    follow = tier is not None and rope is not None
-    free = max(need, int(FREE_SHARE * engine.position_limit))
-    room = engine.position_limit - span - free  # positions the old part may take
-    history = _history(tier, old, recent) if follow else np.zeros(0, np.int64)
-    keep = max(0, min(len(history), room - len(old)))
-    while True:  # ties between a head's rows move later ones up: keep less history until the numbering fits
-        cut = int(history[len(history) - keep]) if keep else recent
-        kept = _tier_rows(tier, cut, recent) if follow else {}
-        frame = np.union1d(old, history[len(history) - keep:])
-        labels, kept_pos, offset = _numbered(true, cells, frame, recent, kept, tier)
-        if offset <= room or keep == 0:
-            break
-        keep = max(0, keep - (offset - room))
+    def __init__(self, cells, observer, tier, basis, stats, *, limit: int, recent_span: int, sliding: bool):
+        self.cells, self.observer, self.tier, self.basis, self.stats = cells, observer, tier, basis, stats
+        self.limit, self.recent_span, self.sliding = limit, recent_span, sliding
 
-    def moved(p: np.ndarray) -> np.ndarray:
-        return np.where(p < recent, np.searchsorted(frame, p), p - recent + offset)
+    def move(self, need: int = 1) -> None:
+        """Move the cache's positions back into the trained range, as StreamingLLM does ("positions within
+        the cache"): the cells older than the recent span (``recent``; a sliding-window model's window)
+        take consecutive positions 0, 1, ... in their order, and the recent span follows them shifted as one
+        block, so recent tokens keep their exact distances and old ones keep their order. llama.cpp
+        re-rotates the keys (K-shift) at the next decode. The rows' recorded positions (the scorers' order
+        and recency) become their cell's new position in the old part and shift with the block in the
+        recent one — kept strictly increasing per head, which the plans require.
 
-    with interrupts_deferred():
-        if engine.model.arch.has_swa:  # sliding-window cells between full-cache cells (outside the window)
-            prev = -1
-            for p in [*old.tolist(), recent]:
-                if p > prev + 1:
-                    ctx.remove(prev + 1, p)
-                prev = p
-        for p, i in zip(old.tolist(), moved(old).tolist()):
-            if p != i:
-                ctx.shift(p, p + 1, i - p)
-        if recent != offset:
-            ctx.shift(recent, -1, offset - recent)
-        engine.kv.record = RowRecord(moved(cells), labels, vnorm, count)
-        engine.n_past = int(moved(np.array([engine.n_past]))[0])
-        engine.stats.repositions += 1
-        engine.observations.forget()  # the kept probe queries' positions mean nothing now
-        if tier is not None:
-            if follow:  # rows older than the cut, and tier copies of device rows, are forgotten
-                for (l, h), ids in kept.items():
-                    tier.renumber(l, h, ids, kept_pos[(l, h)],
-                                  lambda k, d: engine.basis.turn_keys(k, lambda x: rope.rotate(x, d)))
-            else:  # the keys cannot be turned: an endless chat starts a new tier here
-                tier.clear()
-            engine.stats.recall_dropped_rows = tier.dropped_rows
-            engine.stats.host_tier_bytes = tier.nbytes
-        engine.stats.reposition_seconds += time.perf_counter() - t0
+        With a recall tier the old part also keeps the tier's history from a cut-off position on — the
+        latest rows that fit, leaving at least ``max(need, FREE_SHARE × the trained context)`` positions free
+        (:func:`_history`). The kept positions are numbered together with the cells, every head's tier
+        rows and device rows stay distinct and in order, and the tier's keys are turned by RoPE to their new
+        positions (:meth:`~kvlocal.runtime.CacheBasis.turn_keys`, as llama.cpp's K-shift turns the cells').
+        Older tier rows, and tier copies of rows now on the device, are forgotten (``recall_dropped_rows``).
+        Where kvlocal cannot reproduce the model's RoPE (:meth:`Rope.of` is None) the tier is cleared."""
+        t0 = time.perf_counter()
+        c, tier = self.cells, self.tier
+        ctx = c.ctx
+        cells = np.unique(c.kv.positions()).astype(np.int64)
+        true, vnorm, count = c.kv.record.rows(cells)  # every live cell's rows, those added since the last plan too
+        span = self.recent_span
+        recent = c.n_past - span
+        old = cells[cells < recent]
+        rope = self.observer.observations.rope
+        follow = tier is not None and rope is not None
+        free = max(need, int(FREE_SHARE * self.limit))
+        room = self.limit - span - free  # positions the old part may take
+        history = _history(tier, old, recent) if follow else np.zeros(0, np.int64)
+        keep = max(0, min(len(history), room - len(old)))
+        while True:  # ties between a head's rows move later ones up: keep less history until the numbering fits
+            cut = int(history[len(history) - keep]) if keep else recent
+            kept = _tier_rows(tier, cut, recent) if follow else {}
+            frame = np.union1d(old, history[len(history) - keep:])
+            labels, kept_pos, offset = _numbered(true, cells, frame, recent, kept, tier)
+            if offset <= room or keep == 0:
+                break
+            keep = max(0, keep - (offset - room))
+
+        def moved(p: np.ndarray) -> np.ndarray:
+            return np.where(p < recent, np.searchsorted(frame, p), p - recent + offset)
+
+        with interrupts_deferred():
+            if self.sliding:  # sliding-window cells between full-cache cells (outside the window)
+                prev = -1
+                for p in [*old.tolist(), recent]:
+                    if p > prev + 1:
+                        ctx.remove(prev + 1, p)
+                    prev = p
+            for p, i in zip(old.tolist(), moved(old).tolist()):
+                if p != i:
+                    ctx.shift(p, p + 1, i - p)
+            if recent != offset:
+                ctx.shift(recent, -1, offset - recent)
+            c.kv.record = RowRecord(moved(cells), labels, vnorm, count)
+            c.n_past = int(moved(np.array([c.n_past]))[0])
+            self.stats.repositions += 1
+            self.observer.observations.forget()  # the kept probe queries' positions mean nothing now
+            if tier is not None:
+                if follow:  # rows older than the cut, and tier copies of device rows, are forgotten
+                    for (l, h), ids in kept.items():
+                        tier.renumber(l, h, ids, kept_pos[(l, h)],
+                                      lambda k, d: self.basis.turn_keys(k, lambda x: rope.rotate(x, d)))
+                else:  # the keys cannot be turned: an endless chat starts a new tier here
+                    tier.clear()
+                self.stats.recall_dropped_rows = tier.dropped_rows
+                self.stats.host_tier_bytes = tier.nbytes
+            self.stats.reposition_seconds += time.perf_counter() - t0
 
 
 def _tier_rows(tier, cut: int, recent: int) -> dict:

@@ -116,10 +116,10 @@ class _Restore(Plan):
 
 def open_mark(engine) -> TurnMark:
     """A mark of ``engine`` as it is now, open until undone or released."""
-    s, t, kv = engine.stats, engine.tier, engine.kv
-    m = TurnMark(engine.n_past, engine.last_token, engine.logits, kv.record, engine._settled, engine._probe,
-                 list(engine._reply), engine._answering, engine._held,
-                 (engine.last_plan, engine.prompt_plan, engine.last_probe), copy.copy(engine.observations),
+    s, t, kv, c, r, o = engine.stats, engine.tier, engine.kv, engine.compressor, engine.reselection, engine.observer
+    m = TurnMark(engine.n_past, engine.last_token, engine.logits, kv.record, c.settled, engine._probe,
+                 list(engine._reply), r.answering, r.held, (c.last_plan, engine.prompt_plan, o.last_probe),
+                 copy.copy(o.observations),
                  dataclasses.replace(s, compression_breakdown=dict(s.compression_breakdown)),
                  (kv.host_kv_bytes, kv.host_bytes_peak),
                  None if t is None else TierMark(t.mark_of(), (t.rows_out, t.rows_in, t.dropped_rows)))
@@ -225,29 +225,30 @@ def undo(engine, m: TurnMark) -> None:
             try:
                 engine.kv.load(m.cells)
             except RuntimeError:
-                engine._note_live()
+                engine.cells.note_live()
                 raise UsageError("llama.cpp refused the cells copied during the turn; the session is as it was") from None
             engine.kv.record = m.cells_record
         try:
             for rewrite in reversed(m.log):
                 _reverse(engine, rewrite)
         except Exception as e:
-            engine._broken = f"a turn could not be undone: {e}"
-            raise RuntimeError(engine._broken) from e
+            engine.cells.broken = f"a turn could not be undone: {e}"
+            raise RuntimeError(engine.cells.broken) from e
         engine.ctx.remove(m.n_past, -1)
         engine.n_past, engine.last_token, engine.logits = m.n_past, m.last_token, m.logits
-        engine.kv.record, engine._settled = m.record, m.settled
-        engine._probe, engine._reply, engine._answering = m.probe, list(m.reply), m.answering
-        engine._held = m.held_queries
-        engine.last_plan, engine.prompt_plan, engine.last_probe = m.plans
-        engine.observations = copy.copy(m.observations)
+        c, r, o = engine.compressor, engine.reselection, engine.observer
+        engine.kv.record, c.settled = m.record, m.settled
+        engine._probe, engine._reply, r.answering = m.probe, list(m.reply), m.answering
+        r.held = m.held_queries
+        c.last_plan, engine.prompt_plan, o.last_probe = m.plans
+        o.observations = copy.copy(m.observations)
         engine.kv.host_kv_bytes, engine.kv.host_bytes_peak = m.kv_counters
         if m.tier is not None:
             _restore_tier(engine, m.tier)
         s = engine.stats  # the copies' counts stay: they were made
-        engine.stats = dataclasses.replace(m.stats, compression_breakdown=dict(m.stats.compression_breakdown),
-                                           rollback_bytes=s.rollback_bytes, rollback_copies=s.rollback_copies)
-        engine._note_live()
+        s.load(dataclasses.replace(m.stats, compression_breakdown=dict(m.stats.compression_breakdown),
+                                   rollback_bytes=s.rollback_bytes, rollback_copies=s.rollback_copies))
+        engine.cells.note_live()
         release(engine, m, later=True)
 
 

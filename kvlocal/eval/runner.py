@@ -44,7 +44,7 @@ from kvlocal.runtime import Model
 from kvlocal.compress import MERGING_METHODS, METHODS, VALUE_NORMS, value_norm_refusal
 from kvlocal.runtime import Sampler
 from kvlocal.settings import RuntimeSettings
-from kvlocal.chat.session import ChatSession
+from kvlocal.chat.turns import Turns
 from kvlocal.eval.metrics import compare_logits
 from kvlocal.eval.tasks import (CHAT_TASKS, GENERATION_TASKS, KL_TASKS, N_GENERATED, Item, Prose, loops, make_items,
                                 score, shares, verdict)
@@ -312,7 +312,7 @@ class Runner:
     def _chat(eng: Engine, item: Item) -> list[str]:
         """The document as the first user turn (a short greedy reply), then each question in a turn of its
         own; returns the replies to the questions."""
-        session = ChatSession(eng, Sampler())
+        session = Turns(eng, Sampler())
         "".join(session.ask(item.document + "\n\nRead this text; I will ask you about it.", max_tokens=8))
         return ["".join(session.ask(q, max_tokens=item.n_generate)) for q, _ in item.turns]
 

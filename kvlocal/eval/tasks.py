@@ -158,7 +158,7 @@ def _door_facts(rng: random.Random, n_keys: int) -> tuple[list[str], list[str], 
 
 
 def multiturn(prose: Prose, n_tokens: int, rng: random.Random, n_keys: int = 4, n_asked: int = 3) -> list[Item]:
-    """One chat (the model's chat template, :class:`~kvlocal.chat.session.ChatSession`): the document with four
+    """One chat (the model's chat template, :class:`~kvlocal.chat.turns.Turns`): the document with four
     door codes is the first turn, then three of the codes are asked in turns of their own, each scoring
     the cache with its own tokens. What the first questions keep decides what the later ones can find."""
     colors, codes, facts = _door_facts(rng, n_keys)

@@ -446,7 +446,7 @@ class HostTier:
                     s.forget_index()
 
     def renumber(self, layer: int, head: int, ids: np.ndarray, pos: np.ndarray, turn_keys) -> None:
-        """Positions moved back (an endless chat, :func:`kvlocal.engine.positions.reposition`): a head keeps
+        """Positions moved back (an endless chat, :meth:`kvlocal.engine.positions.Positions.move`): a head keeps
         only its rows ``ids``, now at positions ``pos`` (increasing), each key turned by its move
         (``turn_keys(k rows, delta)`` → ``(k rows, float32 keys in the stored basis)``), stored again in
         position order with fresh page bounds. The others are forgotten; those off the device count as dropped."""

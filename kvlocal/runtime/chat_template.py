@@ -65,7 +65,7 @@ class ChatTemplate:
 
     @property
     def tool_format(self) -> str | None:
-        """How this model writes tool calls (``hermes``, ``llama3``: :func:`tool_format`; the calls are read back by kvlocal/chat/tools.py), or None when its
+        """How this model writes tool calls (``hermes``, ``llama3``: :func:`tool_format`; the calls are read back by kvlocal/chat/toolcalls.py), or None when its
         template does not take tools."""
         return tool_format(self.jinja)
 
@@ -171,7 +171,7 @@ def chat_template(model) -> ChatTemplate:
 
 
 # -- what a template takes -------------------------------------------------------------------------------
-HERMES_OPEN = "<tool_call>"  # a hermes-format call's opening (kvlocal/chat/tools.py reads the calls)
+HERMES_OPEN = "<tool_call>"  # a hermes-format call's opening (kvlocal/chat/toolcalls.py reads the calls)
 
 
 def tool_format(template: str | None) -> str | None:

@@ -168,7 +168,7 @@ class Model:
 
     @property
     def tool_format(self) -> str | None:
-        """How this model writes tool calls (``hermes``: Qwen 2.5/3 and others, ``llama3``; kvlocal/chat/tools.py),
+        """How this model writes tool calls (``hermes``: Qwen 2.5/3 and others, ``llama3``; kvlocal/chat/toolcalls.py),
         or None when its chat template does not take tools."""
         from kvlocal.runtime.chat_template import chat_template
 

@@ -13,7 +13,8 @@ Design
   once, and the event loop (:mod:`kvlocal.server.app`) stays free (``/health`` answers while a reply is
   generated). A streaming reply's pieces go from the worker to the response through an asyncio queue
   (``loop.call_soon_threadsafe``).
-* Conversation cache (:class:`~kvlocal.server.conversations.ConversationCache`): finished chats are
+* Conversation cache (:class:`~kvlocal.chat.conversation.ConversationCache`, looked up by the conversation core
+  :class:`~kvlocal.chat.conversation.Conversations`, as :class:`kvlocal.Llama` looks up its own): finished chats are
   kept in an LRU keyed by their transcript as the client saw it
   (system, then user/assistant messages, ending with the reply just sent). A request whose messages
   minus the last are such a transcript takes that chat out, reads only the new user message into its
@@ -25,8 +26,8 @@ Design
 * A client that goes away stops its reply at the next token; the conversation stays cached with the
   partial reply. An error inside generation answers 500 and drops that chat; the server goes on.
 
-Modules, each importing only those before it: :mod:`~kvlocal.server.conversations` (the cache),
-:mod:`~kvlocal.server.worker` (the worker thread: jobs, results, stop strings),
+Modules, each importing only those before it: :mod:`~kvlocal.server.store` (``--session-dir``),
+:mod:`~kvlocal.server.worker` (the worker thread: jobs on the conversation core, streamed back),
 :mod:`~kvlocal.server.requests` (parsing and validating a request; error bodies),
 :mod:`~kvlocal.server.app` (the Starlette app, binding and serving), and this one: the command.
 """
@@ -42,7 +43,7 @@ from kvlocal.errors import UsageError, worded
 from kvlocal.options import (add_budget_args, add_llama_args, add_model_arg, add_sampling_args, sampler_from_args,
                              sampling_params, settings_from_args)
 from kvlocal.server.app import _bind, _serve, create_app
-from kvlocal.server.sessions import SessionDir
+from kvlocal.server.store import ChatStore
 from kvlocal.server.worker import DEFAULT_CACHE_CHATS, DEFAULT_CACHE_MIB, Worker
 
 
@@ -92,7 +93,7 @@ def run(args) -> int:
         sampling = sampling_params(args, model)  # the model's own sampling where its GGUF declares one
         worker = Worker(model, model_id, chat_options=settings, n_threads=runtime.n_threads, defaults=sampling,
             max_tokens=args.n_predict, cache_bytes=int(args.cache_mib * 2**20), cache_chats=args.cache_chats,
-            sessions=None if args.session_dir is None else SessionDir(args.session_dir, args.session_max_bytes))
+            store=None if args.session_dir is None else ChatStore(args.session_dir, args.session_max_bytes))
         cells = worker.check()  # builds one chat: a budget or method that cannot work fails here, not per request
         if not loopback and not args.api_key:
             print(f"kvlocal serve: warning: listening on {args.host} without --api-key: anyone who can reach "

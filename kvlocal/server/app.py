@@ -21,7 +21,8 @@ from kvlocal.errors import UsageError
 from kvlocal.server import ollama
 from kvlocal.server.requests import (BadRequest, _error_body, _error_detail, error_response, parse_completion,
                                      parse_request)
-from kvlocal.server.worker import Job, Result, Worker, _ShuttingDown
+from kvlocal.chat.conversation import Result
+from kvlocal.server.worker import Job, Worker, _ShuttingDown
 
 _OPEN_PATHS = ("/health",)  # answered without the API key (liveness checks)
 

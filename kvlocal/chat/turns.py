@@ -1,18 +1,18 @@
 """The turns of a chat on an :class:`~kvlocal.engine.Engine`: documents and questions in, text out.
 
 Each turn appends only the new text to the (compressed) cache — the history is never decoded again.
-The session keeps the exact text the cache was fed (``fed_text``) and decodes the difference between
+:class:`Turns` keeps the exact text the cache was fed (``fed_text``) and decodes the difference between
 it and the conversation rendered with the model's chat template. The new turn's own tokens are the
 probe that scores the cache while it is added (query-aware: the user's question decides what stays).
 
-A document (:meth:`ChatSession.read`) is fed at once, before its question is known, scored by the
+A document (:meth:`Turns.read`) is fed at once, before its question is known, scored by the
 engine's query-agnostic probe. It becomes the beginning of the next user message: the template is
 rendered with the document and a marker where the question will go, and the text up to the marker is
 decoded now; the question completes that message later. So the transcript stays a plain alternation
 of user and assistant messages that every template accepts.
 
 :class:`kvlocal.Chat` (chat.py) is the public API on top: it loads the model, marks the engine where each turn
-begins and undoes the turn there (Ctrl-C, ``regen``: :mod:`kvlocal.engine.undo`), saves and loads sessions.
+begins and undoes the turn there (Ctrl-C, ``regen``: :mod:`kvlocal.engine.undo`), saves and loads chats (:mod:`kvlocal.chat.saved`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Transcript:
         return Transcript([dict(m) for m in self.messages], self.pending, self.fed_text, self.tools)
 
 
-class ChatSession:
+class Turns:
     def __init__(self, engine: Engine, sampler: Sampler, system: str | None = None, pin_system: bool = True,
                  tools: list[dict] | None = None, loop_guard: int = 0):
         self.engine, self.model, self.sampler = engine, engine.model, sampler
@@ -101,7 +101,7 @@ class ChatSession:
         t.pending = ""
         tokens = self._tokens(self._delta(add_assistant=True) + prefix)
         self.pin(tokens)
-        self.engine.append(tokens, probe=tokens, progress=progress, recall=True)
+        self.engine.append(tokens, probe=tokens, progress=progress, question=True)
         t.fed_text = self._render(t.messages, add_assistant=True) + prefix
         return self._reply(max_tokens, prefix)
 
@@ -114,12 +114,12 @@ class ChatSession:
         if not prompt.startswith(t.fed_text) or len(prompt) == len(t.fed_text):
             raise UsageError("the prompt does not go on from the text this chat has read: start a new chat")
         tokens = self.model.tokenize(prompt[len(t.fed_text):], add_special=self.engine.n_past == 0, parse_special=True)
-        self.engine.append(tokens, probe=tokens, progress=progress, recall=True)
+        self.engine.append(tokens, probe=tokens, progress=progress, question=True)
         t.fed_text = prompt
         return self._reply(max_tokens, message=False)
 
     def pin(self, tokens: list[int]) -> None:
-        """Before the session's first ``tokens`` go in: pin those of its system message and tool definitions —
+        """Before the chat's first ``tokens`` go in: pin those of its system message and tool definitions —
         the template's opening and what follows, as far as two conversations with different user turns
         share them — so that no compression evicts them (:meth:`Engine.pin`)."""
         m = self.t.messages

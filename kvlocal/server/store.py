@@ -1,4 +1,5 @@
-"""``kvlocal serve --session-dir DIR``: conversations that survive a restart.
+"""``kvlocal serve --session-dir DIR``: conversations that survive a restart, in a :class:`ChatStore` (the server's
+store of saved chats; a file is :mod:`kvlocal.chat.saved`'s format, a chat's turns :mod:`kvlocal.chat.turns`).
 
 After each reply the conversation's compressed cache is written to DIR as a kvlocal saved session (the
 format of ``Chat.save``: versioned, checksummed, the model's fingerprint; written to a temporary file and
@@ -24,7 +25,7 @@ def key_name(key: tuple) -> str:
     return hashlib.sha256(json.dumps(key, ensure_ascii=False).encode()).hexdigest()[:32] + SUFFIX
 
 
-class SessionDir:
+class ChatStore:
     def __init__(self, path: str | os.PathLike, max_bytes: int):
         self.path, self.max_bytes = Path(path), max_bytes
 
