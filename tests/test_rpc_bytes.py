@@ -1,0 +1,104 @@
+"""tools/rpc_bytes.py's relay (docs/distributed.md: what crosses the network, and the time split): ggml-rpc's
+frames cut out of a byte stream however it arrives, each answer matched to its request and its wait put on what
+the server did first, and on loopback (one ``kvlocal rpc-server`` holding SmolLM2's last layers and its output) a
+decoded token and a row copy costing the bytes the protocol says they do."""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from test_rpc import N_REMOTE, Servers, rpc_runtime
+from tools.rpc_bytes import ANSWERED, COMMANDS, Conversation, Frames, Relay
+
+
+def request(cmd: int, payload: bytes) -> bytes:
+    return struct.pack("<BQ", cmd, len(payload)) + payload
+
+
+def answer(payload: bytes) -> bytes:
+    return struct.pack("<Q", len(payload)) + payload
+
+
+# HELLO, SET_TENSOR, GRAPH_COMPUTE, GET_TENSOR, FREE_BUFFER (an empty payload), as ggml-rpc's client sends them
+STREAM = request(14, bytes(4)) + request(6, bytes(1000)) + request(10, bytes(300)) + request(8, bytes(48)) + request(4, b"")
+
+
+@pytest.mark.parametrize("cut", [1, 8, 9, 10, 1000, len(STREAM)])
+def test_frames_are_cut_the_same_however_the_bytes_arrive(cut):
+    frames = Frames(with_cmd=True)
+    got = [f for i in range(0, len(STREAM), cut) for f in frames.feed(STREAM[i:i + cut])]
+    assert got == [("HELLO", 13), ("SET_TENSOR", 1009), ("GRAPH_COMPUTE", 309), ("GET_TENSOR", 57), ("FREE_BUFFER", 9)]
+
+
+def test_each_answer_is_matched_and_its_wait_goes_to_what_the_server_did_first():
+    counts = Counter()
+    talk = Conversation(counts, threading.Lock())
+    talk.up(request(14, bytes(4)), 0.0)
+    talk.down(answer(bytes(4)), 0.5)
+    # a graph, then a read of its output: the read waits for the computation (answered in two pieces)
+    talk.up(request(6, bytes(100)) + request(10, bytes(50)) + request(8, bytes(48)), 1.0)
+    talk.down(answer(bytes(2000))[:10], 1.5)
+    talk.down(answer(bytes(2000))[10:], 3.0)
+    talk.up(request(8, bytes(48)), 4.0)  # a read alone: a transfer
+    talk.down(answer(bytes(16)), 4.25)
+    assert counts["round trips"] == 3 and not talk.pending
+    assert (counts["wait HELLO"], counts["wait compute"], counts["wait GET_TENSOR"]) == (0.5, 2.0, 0.25)
+    assert (counts["GET_TENSOR n"], counts["GET_TENSOR up"], counts["GET_TENSOR down"]) == (2, 114, 2032)
+    assert counts["SET_TENSOR up"] == 109 and counts["GRAPH_COMPUTE up"] == 59 and not counts["GRAPH_COMPUTE down"]
+    assert counts["up"] == sum(len(request(c, bytes(n))) for c, n in ((14, 4), (6, 100), (10, 50), (8, 48), (8, 48)))
+
+
+@pytest.mark.slow(12)
+def test_on_loopback_a_token_and_a_row_copy_cost_what_the_protocol_says(smollm2):
+    """Through the relay: every byte each way belongs to a frame, every answered request is answered; a decoded token
+    reads back only its logits (the output layer is on the server); a copy of ``n`` rows of a layer there reads back
+    their K and V and sends two indices: ``n`` int32 each with flash attention (V untransposed, a row in one piece),
+    without it one int32 per V element (llama.cpp stores V transposed: a row's V is head_dim elements apart)."""
+    rpc_runtime()
+    from kvlocal.runtime import Context, Model
+
+    servers = Servers(1)
+    relay = Relay(servers.endpoints[0])
+    model = ctx = None
+
+    def since(before: Counter) -> Counter:
+        c = relay.snapshot()
+        c.subtract(before)
+        return c
+
+    try:
+        model = Model(smollm2, n_gpu_layers=N_REMOTE, rpc=[relay.endpoint])
+        a, n = model.arch, 100
+        tokens = model.tokenize(" ".join(f"Locker {i} holds key {i * 37 % 1000}." for i in range(40)))[:200]
+        for flash in (True, False):
+            ctx = Context(model, 512, flash_attn=flash)
+            ctx.decode(tokens)
+            c0 = relay.snapshot()
+            ctx.decode([tokens[0]])
+            token = since(c0)
+            c0 = relay.snapshot()
+            k, v = ctx.get_rows(a.n_layer - 1, np.arange(n) % len(tokens), np.arange(n) % a.n_head_kv,
+                                a.head_dim_k * 2, a.head_dim_v * 2)  # (F16)
+            copy = since(c0)
+            for c in (token, copy):
+                assert sum(c[m + " up"] for m in COMMANDS.values()) == c["up"] > 0
+                assert sum(c[m + " down"] for m in COMMANDS.values()) == c["down"] > 0
+                assert c["round trips"] == sum(c[m + " n"] for m in ANSWERED)
+            assert (token["GET_TENSOR n"], token["GET_TENSOR down"]) == (1, model.n_vocab * 4 + 8)  # (+ its size)
+            assert (copy["GET_TENSOR n"], copy["GET_TENSOR down"]) == (2, k.nbytes + v.nbytes + 2 * 8)
+            indices = 4 * n * (2 if flash else 1 + a.head_dim_v)
+            assert copy["SET_TENSOR n"] == 2 and 0 < copy["SET_TENSOR up"] - indices < 2 * 1024  # (+ tensor headers)
+            ctx.close()
+            ctx = None
+    finally:
+        if ctx is not None:
+            ctx.close()
+        if model is not None:
+            model.close()
+        relay.close()
+        servers.stop()
