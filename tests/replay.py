@@ -1,5 +1,5 @@
-"""Replaying the engine's compression events in the PyTorch reference (tests/test_engine.py on SmolLM2,
-tests/test_engine_archs.py on tiny models of every architecture): the reference decodes the same tokens
+"""Replaying the engine's compression events in the PyTorch reference (tests/engine/test_engine.py on SmolLM2,
+tests/engine/test_engine_archs.py on tiny models of every architecture): the reference decodes the same tokens
 and, wherever the engine compressed, keeps exactly the source positions the engine's plan kept."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """An in-process ``kvlocal serve``: the real app on a real Worker, served by uvicorn on a thread, for tests
-that need the worker's inside (tests/test_server.py, tests/test_tools.py). Waits are bounded."""
+that need the worker's inside (tests/server/test_server.py, tests/chat/test_tools.py). Waits are bounded."""
 
 from __future__ import annotations
 

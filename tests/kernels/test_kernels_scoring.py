@@ -234,7 +234,7 @@ def test_bench_kernels_times_every_step(capsys):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tools import bench_kernels
 
     bench_kernels.main(["--layers", "2", "--n", "300", "--budget", "128", "--repeat", "1"])

@@ -23,8 +23,8 @@ import llama_cpp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "reference"))  # tiny_gguf
-sys.path.insert(0, str(Path(__file__).parents[1] / "ggml_patches"))  # random_gguf
+sys.path.insert(0, str(Path(__file__).parents[1] / "reference"))  # tiny_gguf
+sys.path.insert(0, str(Path(__file__).parents[2] / "ggml_patches"))  # random_gguf
 
 import random_gguf  # noqa: E402
 import tiny_gguf  # noqa: E402

@@ -20,7 +20,7 @@ from kvlocal.chat import saved
 from kvlocal.errors import UsageError
 from kvlocal.runtime import Sampler
 
-sys.path.insert(0, str(Path(__file__).parent / "reference"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "reference"))
 import tiny_gguf  # noqa: E402
 
 PROSE = (REPO / "kvlocal" / "data" / "sample.txt").read_text()

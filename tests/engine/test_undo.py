@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "reference"))  # tiny_gguf
+sys.path.insert(0, str(Path(__file__).parents[1] / "reference"))  # tiny_gguf
 
 import tiny_gguf  # noqa: E402
 
@@ -27,7 +27,7 @@ from kvlocal.runtime import Model, Sampler  # noqa: E402
 from kvlocal.runtime.state import read_seq  # noqa: E402
 
 THREADS = 2
-NGL = int(os.environ.get("KVLOCAL_TEST_NGL", "0"))  # 99: the cache on a GPU (as tests/test_native.py)
+NGL = int(os.environ.get("KVLOCAL_TEST_NGL", "0"))  # 99: the cache on a GPU (as tests/backends/test_native.py)
 # figures an undone turn keeps as they are: work really done (llama.cpp's transfers), memory really held (the
 # tier's blocks, kept for its next rows), the copies made for the undo, and times
 KEPT = ("device_transfers", "host_tier_bytes", "rollback_bytes", "rollback_copies", "compression_breakdown")

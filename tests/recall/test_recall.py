@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "reference"))  # tiny_gguf
+sys.path.insert(0, str(Path(__file__).parents[1] / "reference"))  # tiny_gguf
 
 import tiny_gguf  # noqa: E402
 from conftest import REPO, assert_usage_error, run_cli  # noqa: E402

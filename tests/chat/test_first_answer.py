@@ -19,10 +19,10 @@ from conftest import assert_usage_error, run_cli
 
 try:
     import httpx
-except ImportError:  # as tests/test_server.py: the `openai` client's fork with httpx's API
+except ImportError:  # as tests/server/test_server.py: the `openai` client's fork with httpx's API
     import httpx2 as httpx
 
-sys.path.insert(0, str(Path(__file__).parent / "reference"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "reference"))
 import tiny_gguf  # noqa: E402
 
 FRANCE = "What is the capital of France?"

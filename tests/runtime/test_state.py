@@ -502,7 +502,7 @@ def test_bench_state_times_a_read_and_the_plan_it_applies(smollm2_model, monkeyp
 
     from kvlocal.backends import StateBackend
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tools import bench_state
 
     reads, applied = [], []

@@ -25,7 +25,7 @@ from policy import missing
 
 from kvlocal.errors import UsageError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 N_REMOTE = 20  # SmolLM2's layers 11-29 and its output (llama.cpp's layer 30) on the servers, half each; 0-10 here
 THREADS = 2
 

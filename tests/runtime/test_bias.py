@@ -240,7 +240,7 @@ def test_bench_stock_compares_ordinary_inference_with_the_stock_runtime(smollm2,
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tools import bench_stock
 
     bench_stock.main([str(smollm2), "--stock", str(stock_runtime), "--rounds", "1", "--tokens", "200", "--decode", "8"])

@@ -54,8 +54,8 @@ def evicting(method: str) -> bool:
 
 @pytest.mark.parametrize("method", [m for m in METHODS if evicting(m)])
 def test_each_evicting_method_keeps_what_its_twin_keeps(method):
-    """Each evicting method against its twin's ``plan``, on the cases of tests/test_compress.py (the merging and
-    head-budget methods, whose plans differ in shape, are compared with theirs in tests/test_compress_merge.py)."""
+    """Each evicting method against its twin's ``plan``, on the cases of tests/compress/test_compress.py (the merging and
+    head-budget methods, whose plans differ in shape, are compared with theirs in tests/compress/test_compress_merge.py)."""
     mine, twin = make_scorer(method), make_twin(method, N_SINK)
     for seed, queries in ((0, "tail"), (1, "inside")):
         layer, kv, obs = make_case(seed=seed, queries=queries, n=60)
@@ -65,7 +65,7 @@ def test_each_evicting_method_keeps_what_its_twin_keeps(method):
 
 # -- a new method: one scorer file and its twin ----------------------------------------------------------------
 TOY = '''
-"""Oldest: keep the sinks, the window and then the oldest cells (a toy method for tests/test_methods.py)."""
+"""Oldest: keep the sinks, the window and then the oldest cells (a toy method for tests/compress/test_methods.py)."""
 from dataclasses import dataclass
 
 import numpy as np

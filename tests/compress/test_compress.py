@@ -287,7 +287,7 @@ def test_plan_json_round_trip():
 
 
 def test_make_scorer():
-    # (every method of the registry: tests/test_methods.py; the newer ones also in test_compress_merge.py and
+    # (every method of the registry: tests/compress/test_methods.py; the newer ones also in test_compress_merge.py and
     # test_defensivekv.py)
     crit = make_scorer("criticalkv", window_size=16, epsilon=1e-3)
     assert isinstance(crit, CriticalKV) and crit.epsilon == 1e-3 and crit.press == SnapKV(window_size=16)

@@ -23,7 +23,7 @@ from conftest import assert_usage_error, run_cli
 from kvlocal.errors import UsageError
 from kvlocal.models.hub import HubSpec, parse, pick
 
-sys.path.insert(0, str(Path(__file__).parent / "reference"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "reference"))
 import tiny_gguf  # noqa: E402
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -1,6 +1,6 @@
 """The bounded-memory Engine against the PyTorch reference on every supported architecture and method.
 
-tests/test_engine.py checks the engine against the reference on SmolLM2 (llama) with CriticalKV. This
+tests/engine/test_engine.py checks the engine against the reference on SmolLM2 (llama) with CriticalKV. This
 file does the same for the four architectures kvlocal supports — tiny random-weight GGUF files written
 by tests/reference/tiny_gguf.py: ``llama`` (with llama-3 ``rope_freqs``), ``qwen2`` (q/k/v biases),
 ``qwen3`` (q/k norms, head size 48 ≠ n_embd/n_head) and ``gemma3`` (q/k norms, query scaling, sliding
@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "reference"))  # tiny_gguf, as tests/reference/conftest.py does
+sys.path.insert(0, str(Path(__file__).parents[1] / "reference"))  # tiny_gguf, as tests/reference/conftest.py does
 
 import tiny_gguf  # noqa: E402
 

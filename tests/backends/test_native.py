@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "reference"))  # tiny_gguf
+sys.path.insert(0, str(Path(__file__).parents[1] / "reference"))  # tiny_gguf
 
 import tiny_gguf  # noqa: E402
 
@@ -568,7 +568,7 @@ def test_native_agrees_with_state_on_smollm2(smollm2_model, method, cache):
     """SmolLM2 Q4_1 (an F16 and a q8_0 cache), 1,280 tokens at budget 0.1: the same kept sets (mean Jaccard
     >= 0.95 over layers and heads, the prompt's plan and the last one) and next-token logits within the replay
     test's tolerance (max |Δlogit| 0.05); eviction copies no K/V to the host, a merge only what it reads."""
-    text = smollm2_model.tokenize((Path(__file__).parents[1] / "kvlocal/data/gpl-3.0.txt").read_text())[:1280]
+    text = smollm2_model.tokenize((Path(__file__).parents[2] / "kvlocal/data/gpl-3.0.txt").read_text())[:1280]
     t = TYPES[cache]
     native, r_native = run_engine(smollm2_model, "native", method, text, 0.1, type_k=t, type_v=t)
     state, r_state = run_engine(smollm2_model, "state", method, text, 0.1, type_k=t, type_v=t)

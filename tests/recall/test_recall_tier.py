@@ -371,7 +371,7 @@ def test_bench_tier_stores_every_row_of_its_events(capsys):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tools import bench_tier
 
     seen = []
