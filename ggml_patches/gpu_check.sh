@@ -12,7 +12,7 @@
 # a failing or timed-out step is reported and the next one runs. Each step's output is on the terminal and in
 # RESULTS/NAME.txt (RESULTS: $OUT/gpu-check when OUT is set — a device machine returns only what is under $OUT —
 # else GPU_WORK/results), with steps.tsv: each step's budget, seconds used and status. SHAPE=tiny, TESTS=0 and
-# small TOKENS and CONTEXTS try the pipeline in a minute on a CPU (tests/test_gpu_check.py does, with a pack of the
+# small TOKENS and CONTEXTS try the pipeline in a minute on a CPU (tests/patches/test_gpu_check.py does, with a pack of the
 # CPU libraries, and BUDGET_SCALE=4: every budget and the total times 4, for a slower machine).
 #
 # The steps:
@@ -23,7 +23,7 @@
 #                CPU: each case's status counted; a failure, or a case "not supported" other than ALiBi's (left to
 #                the CPU by patch 0005), fails the step
 #   setup        kvlocal from this checkout with the pack's Python packages; `kvlocal doctor`
-#   tests        tests/test_native.py and test_native_scale.py on generated models with the cache on the GPU
+#   tests        tests/backends/test_native.py and test_native_scale.py on generated models with the cache on the GPU
 #                (KVLOCAL_TEST_NGL=99) and TF32 off
 #                (NVIDIA_TF32_OVERRIDE=0: cuBLAS's TF32 would round the score's products to 10 bits and make the
 #                native-against-state comparisons differ for no bug); quantized merges compared after dequantizing
@@ -59,7 +59,7 @@ steps=(
     "libraries|$built|the prebuilt ggml-cuda and llama libraries unpacked (nvidia-smi)"
     "backend-ops|40|test-backend-ops -o FLASH_ATTN_EXT -p bias=1 on CUDA0: 202 cases against the CPU"
     "setup|15|the pack's Python packages; kvlocal doctor"
-    "tests|100|tests/test_native.py and test_native_scale.py on generated models: KVLOCAL_TEST_NGL=99, TF32 off"
+    "tests|100|tests/backends/test_native.py and test_native_scale.py on generated models: KVLOCAL_TEST_NGL=99, TF32 off"
     "bias|30|the bias in llama, head sizes 64 and 128, FA on/off: -ngl 99 against -ngl 0"
     "gguf|30|a random-weight GGUF of $shape's shape"
     "sched|40|compaction, score, merge, biased decode: nodes the scheduler puts on the CPU"
@@ -191,8 +191,8 @@ if [ "${TESTS:-1}" = 1 ]; then  # the tests on generated models (the registry's 
     # then test_native_scale.py's: graphs of any size, the decode's buffer and graph reuse across an event, rows in one copy
     # per tensor, and 16,384 cells at Llama-3-8B's attention shape against numpy
     run_step tests env KVLOCAL_TEST_NGL=99 NVIDIA_TF32_OVERRIDE=0 sh -c '"$0" -m pytest -q -p no:cacheprovider -o addopts="" \
-        tests/test_native.py -k "not smollm2 and not refuses_bad_indices and not score_ and not backend_choice and not cli_backend_flag" \
-        && "$0" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_native_scale.py' "$py"
+        tests/backends/test_native.py -k "not smollm2 and not refuses_bad_indices and not score_ and not backend_choice and not cli_backend_flag" \
+        && "$0" -m pytest -q -p no:cacheprovider -o addopts="" tests/backends/test_native_scale.py' "$py"
 else
     echo "== tests: skipped (TESTS=0)"
 fi

@@ -6,7 +6,7 @@
     gpu_steps.py bias DIR            # the bias end to end in llama at head sizes 64 and 128: -ngl 99 against -ngl 0
     gpu_steps.py bench JSON          # `kvlocal bench --json`'s figures, backend transfers per event where it has them
 
-On a machine without a GPU every check runs on the CPU (tests/test_gpu_check.py): the verdicts then hold trivially
+On a machine without a GPU every check runs on the CPU (tests/patches/test_gpu_check.py): the verdicts then hold trivially
 (one device), and what is checked is that each step runs and reads what it parses.
 """
 

@@ -23,7 +23,7 @@ SHAPES = {
     # Llama-3-8B: GQA 32 query heads over 8 KV heads, head size 128
     "llama3-8b": dict(n_embd=4096, n_layer=32, n_head=32, n_head_kv=8, n_ff=14336, n_vocab=128256, rope_base=500000.0),
     # Llama-3-8B's attention (its KV cache and attn_output per layer) in two layers, a small FFN and vocabulary:
-    # the native backend's graphs at the real per-layer size, in a file of ~60 MiB (tests/test_native_scale.py)
+    # the native backend's graphs at the real per-layer size, in a file of ~60 MiB (tests/backends/test_native_scale.py)
     "llama3-8b-attn": dict(n_embd=4096, n_layer=2, n_head=32, n_head_kv=8, n_ff=1024, n_vocab=1024, rope_base=500000.0),
     "tiny": dict(n_embd=256, n_layer=4, n_head=8, n_head_kv=2, n_ff=512, n_vocab=1024, rope_base=10000.0),
 }

@@ -225,7 +225,7 @@ def page_candidates(q: np.ndarray, kmin: np.ndarray, kmax: np.ndarray, on_device
     pages holding a row off the device, ranked by Quest's bound over the queries ``q`` ``[m, d]`` (``kmin``/``kmax``
     ``[n_pages, d]``, ties to the lower page), taken until they hold ``n_want`` rows off the device; their rows off
     the device (``on_device`` ``[n]`` bool), in page order. The numpy steps it stands for are its test's reference
-    (``tests/test_recall_tier.py::test_page_candidates_are_the_numpy_steps``)."""
+    (``tests/recall/test_recall_tier.py::test_page_candidates_are_the_numpy_steps``)."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     n = len(on_device)
     n_pages = -(-n // page)

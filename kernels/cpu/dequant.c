@@ -3,7 +3,7 @@
  * Scoring a quantized cache reads every cell of every layer at every event; gguf-py's dequantizers are
  * numpy chains over the blocks (several passes, temporaries). One pass here. Each value is computed as
  * gguf-py (and ggml's to_float) computes it — the f16 scale widened to float, one multiply (and one add
- * for the _1 types) in float32, never fused — so the bits match (tests/test_kernels.py). */
+ * for the _1 types) in float32, never fused — so the bits match (tests/kernels/test_kernels.py). */
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=off")

@@ -4,7 +4,7 @@
  * head around the kernels of window.c, vnorm.c, pool.c and topk.c. At the sizes of an event (a few
  * KV heads of a few thousand cells) those operations cost more than the arithmetic; this file runs
  * the same steps, in the same order and with the same kernels, so its kept cells are the scorers'
- * (tests/test_kernels.py checks them on random layers against the numpy path). Per KV head:
+ * (tests/kernels/test_kernels.py checks them on random layers against the numpy path). Per KV head:
  *
  *   1. the cells in position order (stable), the live ones (pos >= 0), the protected ones (sinks
  *      below n_sink, and the observation window: pos >= min(q_pos), or the `recent` latest);

@@ -19,7 +19,7 @@ slots that stand for several tokens, with counts and a ``log(count)`` bias).
 
 The contract is documented once, in :mod:`kvlocal.compress.base`; the PyTorch reference of every
 scorer (``kvlocal.reference.compress``, its twin of the same name) keeps exactly the same sets
-(``tests/test_compress.py``, ``tests/test_methods.py``).
+(``tests/compress/test_compress.py``, ``tests/compress/test_methods.py``).
 """
 
 from __future__ import annotations

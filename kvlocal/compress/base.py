@@ -32,7 +32,7 @@ attention and are neither sinks nor in the recent span (:attr:`LayerInputs.live`
 Cells are in llama.cpp's cell order, which is **not** position order (after a removal new tokens fill
 the holes first); everything that depends on order (pooling, ties, the result) goes by position.
 These are the conventions of the PyTorch reference (``kvlocal.reference.compress``), whose kept sets
-``tests/test_compress.py`` checks these scorers against, exactly.
+``tests/compress/test_compress.py`` checks these scorers against, exactly.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ A method is declared once, in the module of its scorer, by a module-level ``METH
 
 :func:`discover` reads every module of :mod:`kvlocal.compress` and every module named by the ``kvlocal.methods``
 entry point group (a method from another package), so adding a method is one scorer file here plus its
-reference twin in :mod:`kvlocal.reference.compress` (which declares the same name; ``tests/test_methods.py``
+reference twin in :mod:`kvlocal.reference.compress` (which declares the same name; ``tests/compress/test_methods.py``
 checks every method against its twin). The names, the help text, the parameters a method takes and what it asks
 of the engine (:data:`WO_METHODS`, ...) are all read from this registry.
 """

@@ -1,7 +1,7 @@
 """Readable numpy versions of the native scoring kernels.
 
 Each function here is the definition that the C kernel of the same name in :mod:`kvlocal.kernels`
-is tested against (``tests/test_kernels_scoring.py``; ``greedy_pairs``: ``tests/test_compress_merge.py``)
+is tested against (``tests/kernels/test_kernels_scoring.py``; ``greedy_pairs``: ``tests/compress/test_compress_merge.py``)
 and the baseline of ``python -m tools.bench_kernels``. The scorers call the C scoring kernels where
 those have wide vectors (AVX2, AVX-512) and these functions elsewhere, where numpy's BLAS is faster
 (:func:`kvlocal.compress.base.native_scoring`); ``greedy_pairs`` is a plain loop and always runs in C.

@@ -156,7 +156,7 @@ PREFILL_OBSERVE = "probe"
 # prefill, without a tier and with one (§ what the chat's default costs), KL equal or lower on the eval, more facts
 # on the development chat, one Qwen multikey prompt lost; 0.5 lost a fact on the six-question chat. Without a tier
 # every event leaves the budget (1): at 0.75 and 0.9 a chat lost a fact stated before a long turn
-# (tests/test_chat_budget.py), which 1 keeps and the tier brings back
+# (tests/chat/test_chat_budget.py), which 1 keeps and the tier brings back
 LOW_WATER = 0.75
 
 # CriticalKV's value norm where the engine is not told one: L2 (``||v W_O^h||_2``, computed exactly through a d x d

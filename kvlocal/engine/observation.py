@@ -13,7 +13,7 @@ to it). :class:`Observations` keeps the latest decoded queries and serves the ne
 ``i`` of the first ``n_rot`` dimensions — adjacent ``(x[2i], x[2i+1])`` for ``norm``, ``(x[i],
 x[i+n_rot/2])`` for ``neox`` — turns by ``p · freq_scale · base^(-2i/n_rot)``. Where llama.cpp does more
 than that (YaRN's ramp, LongRoPE, per-dimension frequency factors), :meth:`Rope.of` returns None and
-every event decodes its probe. ``tests/test_observation.py`` checks the rotation against llama.cpp's own
+every event decodes its probe. ``tests/engine/test_observation.py`` checks the rotation against llama.cpp's own
 queries of the same tokens decoded at two positions.
 """
 

@@ -15,7 +15,7 @@ Attention scale, as llama.cpp's graphs use it (src/models/<arch>.cpp of the pinn
 
 - llama, qwen2, qwen3: ``1/√head_dim_k`` (llama.cpp's llama graph would honour ``f_attention_scale``,
   but its llama loader never reads ``llama.attention.scale``: a file that has it is still computed with
-  ``1/√head_dim_k``, measured in tests/test_engine_archs.py);
+  ``1/√head_dim_k``, measured in tests/engine/test_engine_archs.py);
 - gemma3: the query is multiplied by ``f_attention_scale`` after RoPE (``1/√head_dim_k``; the 27B
   model, 62 layers, uses ``1/√(n_embd/n_head)``) and attention then uses a scale of 1.
 

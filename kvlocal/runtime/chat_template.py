@@ -8,7 +8,7 @@ Jinja render fails (llama.cpp then recognises the template from its text), or wh
 
 The two paths agree on the turns themselves; where they differ is in what the Jinja template adds
 on its own, e.g. SmolLM2's and Qwen2.5's default system message when the conversation has none
-(tests/test_chat_template.py measures both).
+(tests/runtime/test_chat_template.py measures both).
 """
 
 from __future__ import annotations

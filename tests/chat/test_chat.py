@@ -63,6 +63,7 @@ def _rewrite(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
+@pytest.mark.slow(9)
 def test_saved_session_refusals(saved_chat, smollm2, tmp_path):
     path, _, _ = saved_chat
     raw = path.read_bytes()

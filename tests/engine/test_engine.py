@@ -389,6 +389,7 @@ def test_kept_sets_match_the_reference_scorer(run, comparison, ref_model, smollm
 # -- 3. chunked prefill inside n_ctx, true positions ----------------------------------------------------
 
 
+@pytest.mark.slow(7)
 def test_chunked_prefill_stays_within_n_ctx(run, smollm2_model):
     eng, after = run["engine"], run["after_prefill"]
     n_ctx = eng.ctx.n_ctx
@@ -578,6 +579,7 @@ def test_eviction_on_a_quantized_cache_scores_in_the_rotated_basis(smollm2_model
     assert (merged.kv.record.count > 1).any()
 
 
+@pytest.mark.slow(7)
 def test_probe_cells_are_removed_after_observation(run):
     eng = run["engine"]
     start = 0
@@ -616,6 +618,7 @@ def test_the_probe_decides_what_is_kept(smollm2_model, text_tokens):
 # -- a reporting check ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow(17)
 def test_full_cache_bytes_are_what_llama_allocates(comparison):
     """``kv_bytes_full`` is documented as "what stock llama.cpp's full cache for max_tokens would
     allocate": for ``--method full`` it is what the context did allocate, less the patched cache's
