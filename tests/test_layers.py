@@ -19,7 +19,8 @@ from pathlib import Path
 # one tuple are peers.
 LAYERS = (
     ("errors", "version", "registry"),  # what every layer may raise or say; registries read from their modules
-    ("kernels",),                    # the C kernels' binding (kvlocal._kernels), numpy in and out
+    ("kernels", "units"),            # the C kernels' binding (kvlocal._kernels), numpy in and out; sizes as people
+                                     # write them (512M)
     ("models",),                     # GGUF files: headers, tensors, the registry of known models
     ("runtime", "compress", "reference"),  # llama.cpp; the scorers and plans (numpy); their PyTorch twins
     ("backends", "recall"),          # plans applied to llama.cpp's cache; the recall tier's host rows

@@ -6,10 +6,10 @@ re-selections, on the engine's cells)."""
 
 from kvlocal.recall.select import Candidates, choose_candidates, evicted, store_evicted, with_candidates
 from kvlocal.recall.memory import (Pool, TierFull, TierMemory, check_spill_dir, default_recall_mem, default_spill_dir,
-                                   parse_size, recall_mem_setting)
+                                   recall_mem_setting)
 from kvlocal.recall.tier import CHUNK, PAGE, HostTier, tier_figures
 from kvlocal.recall.reselect import Reselection
 
 __all__ = ["CHUNK", "PAGE", "Candidates", "HostTier", "Pool", "Reselection", "TierFull", "TierMemory", "check_spill_dir",
-           "choose_candidates", "default_recall_mem", "default_spill_dir", "evicted", "parse_size", "recall_mem_setting",
+           "choose_candidates", "default_recall_mem", "default_spill_dir", "evicted", "recall_mem_setting",
            "store_evicted", "tier_figures", "with_candidates"]

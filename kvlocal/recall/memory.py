@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvlocal.errors import SettingError, UsageError
+from kvlocal.units import parse_size
 
 if TYPE_CHECKING:
     from kvlocal.recall.tier import HostTier
@@ -224,21 +225,6 @@ def check_spill_dir(path) -> str:
         raise SettingError(f"{{recall_dir}} {d}: no such folder: create it, or leave {{recall_dir}} out to keep the tier "
                            f"in RAM", "recall_dir")
     return d
-
-
-def parse_size(text: str, flag: str = "--recall-mem") -> int:
-    """A size flag (``--recall-mem``, ``--session-max``): a byte count with an optional unit (``512M``, ``2G``,
-    ``1.5GiB``, ``800MB``); UsageError naming ``flag``."""
-    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    s = str(text).strip().lower().removesuffix("b").removesuffix("i")
-    unit = s[-1] if s and s[-1] in units else ""
-    try:
-        value = float(s[:-1] if unit else s)
-    except ValueError:
-        raise UsageError(f"{flag} {text!r} is not a size: give bytes or a number with K, M or G (e.g. 512M)") from None
-    if not np.isfinite(value) or value <= 0:
-        raise UsageError(f"{flag} {text} must be > 0 (e.g. 512M)")
-    return int(value * units[unit])
 
 
 def recall_mem_setting(value) -> int | str | None:

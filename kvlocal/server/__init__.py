@@ -142,7 +142,7 @@ def _check_args(args) -> None:
             raise UsageError(f"--session-dir {d}: no such folder (create it first)")
         if not os.access(d, os.W_OK | os.X_OK):
             raise UsageError(f"--session-dir {d} is not writable: give a folder you can write to")
-    from kvlocal.recall import parse_size
+    from kvlocal.units import parse_size
 
     args.session_max_bytes = parse_size(args.session_max, "--session-max")
     if args.api_key is not None and not args.api_key.strip():

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from kvlocal.errors import UsageError
-from kvlocal.recall import (CHUNK, PAGE, HostTier, TierMemory, default_recall_mem, parse_size, recall_mem_setting,
+from kvlocal.units import parse_size
+from kvlocal.recall import (CHUNK, PAGE, HostTier, TierMemory, default_recall_mem, recall_mem_setting,
                             tier_figures)
 
 D = 8
