@@ -84,6 +84,10 @@ class Frames:
                 self._head = b""
         return done
 
+    @property
+    def between_frames(self) -> bool:
+        return not self._head
+
 
 class Conversation:
     """One client connection's requests and answers, matched in order (a server answers in the order it was asked):
@@ -128,13 +132,22 @@ class Relay:
         self.target = (host, int(port))
         self.counts: Counter = Counter()
         self.lock = threading.Lock()
+        self.talks: list[Conversation] = []
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def snapshot(self) -> Counter:
-        with self.lock:
-            return Counter(self.counts)
+    def snapshot(self, settle: float = 2.0) -> Counter:
+        """The counts so far, taken between frames: a request ggml-rpc does not wait for (SET_TENSOR, GRAPH_COMPUTE)
+        may still be on its way through the relay when the call that sent it returns, so this waits (at most
+        ``settle`` seconds) until no frame is half through in either direction."""
+        deadline = time.monotonic() + settle
+        while True:
+            with self.lock:
+                if time.monotonic() > deadline or all(t.requests.between_frames and t.answers.between_frames
+                                                      for t in self.talks):
+                    return Counter(self.counts)
+            time.sleep(0.001)
 
     def _accept(self) -> None:
         while True:
@@ -146,6 +159,8 @@ class Relay:
             for s in (client, server):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             talk = Conversation(self.counts, self.lock)
+            with self.lock:
+                self.talks.append(talk)
             threading.Thread(target=self._pump, args=(client, server, talk.up), daemon=True).start()
             threading.Thread(target=self._pump, args=(server, client, talk.down), daemon=True).start()
 
