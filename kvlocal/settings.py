@@ -251,7 +251,7 @@ def check_value_norm(s: ChatSettings) -> ChatSettings:
 def _host_ports(text) -> tuple[str, ...]:
     """``--rpc``'s ``HOST:PORT[,HOST:PORT...]`` (llama.cpp's syntax; a tuple or list of them too) → a tuple, as
     :func:`kvlocal.runtime.rpc.parse_endpoints` reads it; SettingError naming the field."""
-    from kvlocal.runtime.rpc import parse_endpoints
+    from kvlocal.runtime import parse_endpoints
 
     try:
         return parse_endpoints(text)

@@ -25,10 +25,8 @@ import numpy as np
 
 from kvlocal.compress import Plan
 from kvlocal.errors import UsageError
-from kvlocal.runtime.kvquant import FLOAT_TYPES
-from kvlocal.runtime.library import has_attention_bias, has_native_compression, has_native_recall, runtime_info
-from kvlocal.runtime.seqstate import row_bytes
-from kvlocal.runtime.state import clear_seq, get_blob, read_seq, set_blob
+from kvlocal.runtime import (FLOAT_TYPES, clear_seq, get_blob, has_attention_bias, has_native_compression,
+                             has_native_recall, read_seq, row_bytes, runtime_info, set_blob)
 
 BACKEND_NAMES = ("auto", "native", "state")
 

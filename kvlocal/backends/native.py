@@ -28,7 +28,7 @@ from kvlocal.compress import LayerInputs, Plan
 from kvlocal.compress.base import RowSource
 from kvlocal.compress.plan import merge_values, merge_weights
 from kvlocal.backends.base import CacheRead, KVBackend, RowRecord
-from kvlocal.runtime.seqstate import row_bytes, row_format, rows_from_bytes, rows_to_bytes
+from kvlocal.runtime import row_bytes, row_format, rows_from_bytes, rows_to_bytes
 
 
 @dataclass

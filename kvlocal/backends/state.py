@@ -14,9 +14,7 @@ import numpy as np
 from kvlocal.compress import LayerInputs, Plan
 from kvlocal.compress.plan import cell_rows
 from kvlocal.backends.base import CacheRead, KVBackend, RowRecord, count_bias
-from kvlocal.runtime.hostview import STATE_IO_ENV, HostView
-from kvlocal.runtime.seqstate import blob_rows
-from kvlocal.runtime.state import read_seq, write_seq
+from kvlocal.runtime import STATE_IO_ENV, HostView, blob_rows, read_seq, write_seq
 
 
 class StateBackend(KVBackend):

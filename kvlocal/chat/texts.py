@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from kvlocal.chat.chat import ChatStats
+
+class CacheFigures(Protocol):
+    """What :func:`full_cache_text` reads (a :class:`~kvlocal.chat.chat.ChatStats`)."""
+
+    tokens_seen: int
+    ctx_size: int
+    kv_bytes_full: int
 
 
 def mib_text(n: int) -> str:
@@ -15,7 +20,7 @@ def mib_text(n: int) -> str:
     return f"{m:,.1f} MiB" if m < 10 else f"{m:,.0f} MiB"
 
 
-def full_cache_text(s: "ChatStats") -> str:
+def full_cache_text(s: CacheFigures) -> str:
     """What llama.cpp's own cache would take, as the status line and the banner say it: for the chat's context, or
     for every token seen once they are more."""
     if s.tokens_seen <= s.ctx_size:

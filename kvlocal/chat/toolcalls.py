@@ -25,7 +25,7 @@ import re
 import uuid
 
 from kvlocal.errors import UsageError
-from kvlocal.runtime.chat_template import HERMES_OPEN as _HERMES_OPEN
+from kvlocal.runtime import HERMES_OPEN as _HERMES_OPEN
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # OpenAI's rule for function names
 _HERMES_CLOSE = "</tool_call>"

@@ -24,7 +24,7 @@ from kvlocal.options import (add_budget_args, add_llama_args, add_model_arg, add
 def cmd_doctor(args) -> int:
     from kvlocal.models import cache_dir, cached_models
 
-    from kvlocal.runtime.rpc import parse_endpoints
+    from kvlocal.runtime import parse_endpoints
 
     parse_endpoints(args.rpc)  # a bad --rpc is bad input: one line, exit 2
     plan_rows = _plan_rows(args) if args.plan else []  # a bad -ts, -c or model too, before anything is asked
@@ -87,7 +87,7 @@ def _plan_rows(args) -> list[tuple[str, str]]:
     from kvlocal.models import resolve
     from kvlocal.models.gguf_file import read_gguf
     from kvlocal.models.arch import arch_info, gguf_meta
-    from kvlocal.runtime.rpc import parse_endpoints
+    from kvlocal.runtime import parse_endpoints
     from kvlocal.settings import chat_settings_from_args, runtime_settings_from_args
 
     runtime, s = runtime_settings_from_args(args), chat_settings_from_args(args)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from kvlocal.engine.config import Budget
 from kvlocal.models.arch import arch_info, gguf_meta
 from kvlocal.models.gguf_file import read_gguf
-from kvlocal.runtime.llama import BIAS_BYTES, N_UBATCH, pad_cells
+from kvlocal.runtime import BIAS_BYTES, N_UBATCH, pad_cells
 
 HOST = "this machine"
 

@@ -12,7 +12,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def add_arguments(p) -> None:
-    from kvlocal.runtime.rpc import DEFAULT_PORT, SECURITY
+    from kvlocal.runtime import DEFAULT_PORT, SECURITY
 
     p.description = (f"Serve this machine's devices (CPU, GPUs) to a kvlocal on another machine: `kvlocal chat --rpc "
                      f"THIS_HOST:PORT` there puts layers and their KV cache here. It runs llama.cpp's ggml-rpc-server "
@@ -27,7 +27,7 @@ def add_arguments(p) -> None:
 
 def server_command(args) -> list[str]:
     """The rpc-server command line: the binary built beside kvlocal's libraries, with the options given."""
-    from kvlocal.runtime.rpc import server_binary
+    from kvlocal.runtime import server_binary
 
     binary = server_binary()
     if binary is None:
@@ -46,7 +46,7 @@ def server_command(args) -> list[str]:
 
 
 def run(args) -> int:
-    from kvlocal.runtime.rpc import SECURITY
+    from kvlocal.runtime import SECURITY
 
     cmd = server_command(args)
     if args.host not in LOOPBACK:

@@ -10,15 +10,22 @@ import os
 import tempfile
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from kvlocal.errors import SettingError, UsageError
 from kvlocal.units import parse_size
 
-if TYPE_CHECKING:
-    from kvlocal.recall.tier import HostTier
+
+class ChunkOwner(Protocol):
+    """A tier as :class:`TierMemory` sees it (:class:`~kvlocal.recall.tier.HostTier`): it registers its chunks and
+    gives back its oldest when asked."""
+
+    chunk_bytes: int
+    is_open: bool
+
+    def drop_oldest(self, layer: int, head: int, force: bool = False) -> bool | None: ...
 
 EXTENT = 64 << 20  # bytes the spill file grows by
 SLAB = 8 << 20  # bytes of RAM allocated at once, then cut into chunks (TierMemory._from_slab)
@@ -79,14 +86,14 @@ class TierMemory:
         """A chunk is no longer used: it waits for the next :meth:`take` of its size (still counted in ``used``)."""
         self._free.setdefault(chunk.nbytes, []).append(chunk)
 
-    def own(self, tier: "HostTier", key: tuple[int, int]) -> None:
+    def own(self, tier: ChunkOwner, key: tuple[int, int]) -> None:
         """``tier`` took a chunk for its head ``key``: the newest :meth:`reclaim` may take back. Entries of closed
         tiers are dropped once they are the majority, so that the order stays as long as the chunks held."""
         if len(self._order) > 64 + 2 * (self.used // tier.chunk_bytes):
             self._order = deque(e for e in self._order if (t := e[0]()) is not None and t.is_open)
         self._order.append((weakref.ref(tier), key))
 
-    def reclaim(self, asking: "HostTier") -> "tuple[HostTier, tuple[int, int]] | None":
+    def reclaim(self, asking: ChunkOwner) -> tuple[ChunkOwner, tuple[int, int]] | None:
         """Drop the oldest chunk of all the tiers that registered theirs (:meth:`HostTier.drop_oldest`; it is given
         back here) that none holds (:meth:`HostTier.hold`), else the oldest another tier than ``asking`` holds (a
         conversation waiting for its next turn: its last one can no longer be undone). Returns the tier and head it

@@ -16,17 +16,23 @@ It knows nothing of scorers or plans: the KV backends that apply a plan to llama
 
 from kvlocal.runtime.buildinfo import MetalBias, flash_attention, metal_bias
 from kvlocal.runtime.capture import QueryCapture
-from kvlocal.runtime.kvquant import CACHE_TYPES, CacheBasis, bytes_per_value, cache_type
+from kvlocal.runtime.chat_template import HERMES_OPEN
+from kvlocal.runtime.hostview import STATE_IO_ENV, HostView
+from kvlocal.runtime.kvquant import CACHE_TYPES, FLOAT_TYPES, CacheBasis, bytes_per_value, cache_type
 from kvlocal.runtime.library import (REQUIRED_LLAMA_CPP_PYTHON, RuntimeInfo, has_attention_bias, has_native_compression,
-                                     runtime_info)
-from kvlocal.runtime.llama import N_UBATCH, Context, Model, kv_cache_bytes, pad_cells
+                                     has_native_recall, runtime_info)
+from kvlocal.runtime.llama import BIAS_BYTES, N_UBATCH, Context, Model, kv_cache_bytes, pad_cells
+from kvlocal.runtime.rpc import DEFAULT_PORT, SECURITY, parse_endpoints, server_binary
 from kvlocal.runtime.sampler import (CHAT_SAMPLING, SAMPLING_PARAMS, Sampler, SamplerParamError, chat_sampling,
                                      top_probability)
-from kvlocal.runtime.seqstate import row_format
-from kvlocal.runtime.state import CacheLost
+from kvlocal.runtime.seqstate import blob_rows, row_bytes, row_format, rows_from_bytes, rows_to_bytes
+from kvlocal.runtime.state import CacheLost, clear_seq, get_blob, read_seq, set_blob, write_seq
 
 __all__ = [
-    "CACHE_TYPES", "N_UBATCH", "REQUIRED_LLAMA_CPP_PYTHON",
+    "BIAS_BYTES", "CACHE_TYPES", "DEFAULT_PORT", "FLOAT_TYPES", "HERMES_OPEN", "N_UBATCH", "REQUIRED_LLAMA_CPP_PYTHON",
+    "SECURITY", "STATE_IO_ENV", "HostView", "blob_rows", "clear_seq", "get_blob", "has_native_recall",
+    "parse_endpoints", "read_seq", "row_bytes", "rows_from_bytes", "rows_to_bytes", "server_binary", "set_blob",
+    "write_seq",
     "CacheBasis", "CacheLost", "Context", "MetalBias", "Model", "QueryCapture",
     "RuntimeInfo", "Sampler", "SamplerParamError", "CHAT_SAMPLING", "SAMPLING_PARAMS", "chat_sampling",
     "bytes_per_value", "cache_type", "flash_attention", "has_attention_bias", "has_native_compression",
