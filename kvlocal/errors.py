@@ -53,6 +53,18 @@ class RuntimeUnavailable(KvlocalError):
     status, code = 500, "runtime_unavailable"
 
 
+class ServerLost(KvlocalError):
+    """An rpc-server that held some of the model's layers stopped (or broke the protocol) mid-computation: those
+    layers and their KV cache are gone, so no chat on this model can go on until it is back and the model is loaded
+    again. Not bad input: the command line exits with 1."""
+
+    status, code, exit_code = 503, "rpc_server_lost", 1
+
+    def __init__(self, endpoints, text: str):
+        self.endpoints = tuple(endpoints)
+        super().__init__(text)
+
+
 class ModelUnreadable(KvlocalError):
     """The model file cannot be read as a GGUF model: missing, truncated, not a GGUF."""
 

@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvlocal.settings import flag_name
 
         print(f"kvlocal: error: {worded(e, flag_name)}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

@@ -14,7 +14,7 @@ from kvlocal.errors import RuntimeUnavailable
 # everything in runtime/ was checked against this one.
 REQUIRED_LLAMA_CPP_PYTHON = "0.3.36"
 # LLAMA_KVLOCAL_ABI_VERSION written by the last patch in ggml_patches/
-REQUIRED_PATCH_ABI = 16
+REQUIRED_PATCH_ABI = 17
 
 BUILD_HINT = "run `python ggml_patches/build.py` (see README)"
 
@@ -66,6 +66,9 @@ def llama_lib():
 
 _LOG_CB = None  # keep the ctypes callback alive
 RPC_SOCKET_ERRORS = (b"recv failed (", b"send failed (")  # ggml-rpc's transport.cpp
+# while this says so, errors are not printed: set by kvlocal.runtime.rpc to "an rpc-server was lost", whose loss
+# and the failed graphs after it kvlocal reports in one line of its own (ServerLost)
+quiet_errors = lambda: False  # noqa: E731
 
 
 def _silence_logs(lib) -> None:
@@ -76,8 +79,8 @@ def _silence_logs(lib) -> None:
 
     @lib.llama_log_callback
     def _cb(level, text, user_data):
-        # ggml-rpc's socket errors come just before its abort, which kvlocal.runtime.rpc turns into one line
-        if level >= 4 and not text.startswith(RPC_SOCKET_ERRORS):  # GGML_LOG_LEVEL_ERROR
+        # ggml-rpc's socket errors come just before a lost server, which kvlocal.runtime.rpc turns into one line
+        if level >= 4 and not text.startswith(RPC_SOCKET_ERRORS) and not quiet_errors():  # GGML_LOG_LEVEL_ERROR
             os.write(2, text)
 
     _LOG_CB = _cb
@@ -85,7 +88,7 @@ def _silence_logs(lib) -> None:
 
 
 class KvlocalCounters(ctypes.Structure):
-    """``struct llama_kvlocal_counters`` (patch ABI 16): what kvlocal's functions cost a context so far."""
+    """``struct llama_kvlocal_counters`` (patch ABI 17): what kvlocal's functions cost a context so far."""
 
     _fields_ = [("n_transfers", ctypes.c_uint64), ("compute_bytes", ctypes.c_size_t), ("kv_compute_peak", ctypes.c_size_t)]
 

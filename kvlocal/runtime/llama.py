@@ -7,6 +7,7 @@ token index part ways) and exposes the few memory operations kvlocal needs.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from pathlib import Path
 from typing import Sequence
@@ -24,6 +25,26 @@ def _no_progress(progress, user_data):
 
 
 _NO_PROGRESS = None
+
+
+def checks_servers(call):
+    """Wrap a call that runs graphs or copies on a context's devices (its first argument: the Context): with
+    rpc-servers, raise :class:`~kvlocal.errors.ServerLost` if one was lost during it — ggml-rpc then does nothing
+    and reads zeros (patch 0015), so nothing it returned is used — also where the call itself failed on that
+    account."""
+    @functools.wraps(call)
+    def checked(ctx, *args, **kwargs):
+        if not ctx.model.rpc:
+            return call(ctx, *args, **kwargs)
+        try:
+            out = call(ctx, *args, **kwargs)
+        except (RuntimeError, ValueError):
+            ctx.model.check_servers()
+            raise
+        llama_lib().llama_synchronize(ctx._ptr)  # a loss is found by ggml-rpc's thread, after the op was sent
+        ctx.model.check_servers()
+        return out
+    return checked
 
 
 def default_threads() -> int:
@@ -73,6 +94,14 @@ class Model:
             self.close()
             raise UsageError(f"{self.path.name}: llama.cpp reads a sliding window of {lib.llama_model_n_swa(self._ptr)}, "
                              f"the metadata says {self.arch.n_swa}: this file is not what kvlocal was checked against")
+
+    def check_servers(self) -> None:
+        """Raise :class:`~kvlocal.errors.ServerLost` if an rpc-server of this model was lost: its layers and their
+        KV cache are gone, so no context of this model can go on (load the model again once it is back)."""
+        if self.rpc:
+            from kvlocal.runtime import rpc as remote
+
+            remote.check_lost(self.rpc)
 
     def _place(self, params, rpc, tensor_split) -> tuple[tuple[str, ...], list[str]]:
         """Set the devices and the split of ``params``: (the rpc endpoints, each device's name). Without ``rpc``
@@ -239,6 +268,7 @@ class Context:
 
     __del__ = close
 
+    @checks_servers
     def decode(self, tokens: Sequence[int], positions: Sequence[int] | None = None, logits: str | int = "last") -> np.ndarray:
         """Decode tokens into sequence 0 at the given positions (default: after the last one held).
 
@@ -306,6 +336,7 @@ class Context:
             return None
         return int(fn(self._mem, 0)), int(fn(self._mem, 1))
 
+    @checks_servers
     def bias(self, il: int) -> np.ndarray:
         """``[n_head_kv, n]`` float32 attention bias of layer ``il`` for the cells of sequence 0, in
         :meth:`cells` order (0 unless set; ``log(count)`` for merged entries, ``-inf`` for unused ones)."""
@@ -320,6 +351,7 @@ class Context:
             fn(self._mem, 0, il, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size)
         return out
 
+    @checks_servers
     def set_bias(self, il: int, bias: np.ndarray) -> None:
         """Set layer ``il``'s attention bias ``[n_head_kv, n]`` for the cells of sequence 0 (:meth:`cells` order)."""
         fn = self._bias_fn("set_bias")
@@ -330,7 +362,7 @@ class Context:
                              f"(needs [n_head_kv, cells of sequence 0])")
 
     def counters(self) -> dict:
-        """What kvlocal's functions cost this context so far (``llama_kvlocal_get_counters``, patch ABI 16):
+        """What kvlocal's functions cost this context so far (``llama_kvlocal_get_counters``, patch ABI 17):
         ``transfers``, the copies between the host and the cache's backends that compactions, merges, scores
         and row copies made; ``compute_bytes``, the decode's compute buffers, which kvlocal's graphs never grow
         (they run on a scheduler of their own); ``kv_compute_peak``, the largest buffers one of kvlocal's graphs took
@@ -346,6 +378,7 @@ class Context:
         0007): only these are ever cleared, and at 0 the graphs leave the bias out."""
         return int(self._bias_fn("bias_cells")(self._mem))
 
+    @checks_servers
     def compact(self, src: np.ndarray, pos: np.ndarray, bias: np.ndarray | None = None) -> None:
         """Rewrite the cells of sequence 0 on their device (``llama_kv_compact``, patch 0009): afterwards it
         holds ``B = len(pos)`` cells, the first ``B`` of :meth:`cells`, and in compressed layer ``l`` and KV
@@ -367,6 +400,7 @@ class Context:
             why = {-2: "a quantized row of one block (it cannot move as bytes)", -3: "the graph failed"}.get(rc, "invalid arguments")
             raise ValueError(f"llama_kv_compact refused: {why}")
 
+    @checks_servers
     def score(self, q: np.ndarray, scale: float, bias: np.ndarray | None = None,
               vnorm_cells: np.ndarray | None = None, outside: np.ndarray | None = None, norm_p: int = 1):
         """Score the cells of sequence 0 on their device (``llama_kv_score``, patch 0010).
@@ -406,6 +440,7 @@ class Context:
         out = attn, (vnorm if len(cells) else None)
         return out if x is None else (*out, x_attn)
 
+    @checks_servers
     def get_rows(self, l: int, cells: np.ndarray, heads: np.ndarray, row_k: int, row_v: int) -> tuple[np.ndarray, np.ndarray]:
         """The K and V rows of KV head ``heads[i]`` in cell ``cells[i]`` (an index into :meth:`cells` order) of
         compressed layer ``l``, as the cache stores them: uint8 ``[n, row_k]`` and ``[n, row_v]`` (``llama_kv_rows_get``,
@@ -416,10 +451,12 @@ class Context:
         self._rows("rows_get", l, cells, heads, k, v)
         return k, v
 
+    @checks_servers
     def set_rows(self, l: int, cells: np.ndarray, heads: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Write rows as :meth:`get_rows` returns them into the cells (``llama_kv_rows_set``, patch 0011)."""
         self._rows("rows_set", l, _index(cells), _index(heads), np.ascontiguousarray(k, np.uint8), np.ascontiguousarray(v, np.uint8))
 
+    @checks_servers
     def merge(self, n_merge: np.ndarray, cells: np.ndarray, heads: np.ndarray, wk: np.ndarray, wv: np.ndarray) -> None:
         """Merge rows of the compressed layers on their device in one graph (``llama_kv_merge``, patch 0013):
         ``n_merge[l]`` merges of layer ``l``, listed layer after layer; merge ``i``'s row of KV head ``heads[i]`` in

@@ -12,9 +12,12 @@ face of that backend:
 - :func:`remote_devices`: the ggml devices of the servers (``ggml_backend_rpc_add_server`` through the RPC
   registry's proc address), for ``llama_model_params.devices``; they are not added to ggml's global registry, so
   a model loaded later without ``rpc=`` stays local;
-- :func:`guard_aborts`: ggml-rpc also aborts when a server dies mid-computation (``RPC_STATUS_ASSERT``, in its
-  dispatcher thread): an abort callback turns that into one line naming the dead server and exits, instead of a
-  core dump with a C backtrace;
+- :func:`check_lost`: a server that stops mid-computation (or breaks the protocol) no longer aborts the process
+  (patch 0015): its connection is marked lost, every later operation on its devices fails, and the runtime asks
+  after each of its calls, raising :class:`~kvlocal.errors.ServerLost` naming the server. A model loaded again
+  once the server is back connects afresh (``kvlocal serve`` does so by itself);
+- :func:`guard_aborts`: what ggml-rpc still aborts on (a connection or handshake that fails while a model loads)
+  becomes one line naming the server, instead of a core dump with a C backtrace;
 - :func:`server_binary`: the ``ggml-rpc-server`` built beside the libraries kvlocal loaded (the same patched tree).
 
 What the protocol does not say: which ggml a server runs. Its HELLO carries only the protocol version, which the
@@ -37,7 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from kvlocal.errors import UsageError
+from kvlocal.errors import ServerLost, UsageError
+import kvlocal.runtime.library as library
 
 # RPC_PROTO_{MAJOR,MINOR,PATCH}_VERSION of the pinned llama.cpp (ggml/include/ggml-rpc.h): the client refuses a
 # server of another major version or a newer minor one by aborting, so kvlocal asks first
@@ -296,6 +300,7 @@ def remote_devices(endpoints: Sequence[str], timeout: float = TIMEOUT) -> list[i
             raise UsageError(f"rpc-server {ep} has no device: start it with `kvlocal rpc-server --device …`")
         devices += [get(server, i) for i in range(count(server))]
     guard_aborts(endpoints)
+    library.quiet_errors = lambda: bool(lost(_guarded))
     return devices
 
 
@@ -321,6 +326,47 @@ _guarded: list[str] = []
 _abort_cb = None  # kept alive while installed
 
 
+_LOST = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_char_p)
+_lost_fn = None
+
+
+def lost(endpoints: Sequence[str]) -> list[str]:
+    """The endpoints whose connection this process lost (ggml-rpc's ``ggml_backend_rpc_lost``, patch 0015): the
+    server stopped or broke the protocol, and every operation on its devices since has done nothing."""
+    global _lost_fn
+    if not endpoints:
+        return []
+    if _lost_fn is None:
+        reg = _ggml("ggml_backend_reg_by_name", ctypes.c_void_p, [ctypes.c_char_p])(b"RPC")
+        proc = _ggml("ggml_backend_reg_get_proc_address", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p])
+        ptr = proc(reg, b"ggml_backend_rpc_lost")
+        _lost_fn = _LOST(ptr) if ptr else (lambda endpoint: False)  # a runtime without 0015 aborts instead
+    return [ep for ep in endpoints if _lost_fn(ep.encode())]
+
+
+AFTER_LOSS = "restart it (`kvlocal rpc-server`) and load the chat's last save, or run without it"
+
+
+def lost_text(endpoints: Sequence[str], why: str = "", then: str = AFTER_LOSS, wait: float = 1.0) -> str:
+    """What kvlocal says of servers lost mid-computation: which, whether they stopped (they refuse connections; a
+    dying server's connection may close a moment before its listening socket does: asked again for up to ``wait``
+    seconds) or failed, and what to do."""
+    end = time.monotonic() + wait
+    while not (dead := dead_servers(endpoints)) and time.monotonic() < end:
+        time.sleep(0.1)
+    who = ", ".join(endpoints)
+    return (f"rpc-server {who} {'stopped' if dead else 'failed'} mid-computation{f' ({why})' if why else ''}: the "
+            f"layers it held and their KV cache are lost; {then}")
+
+
+def check_lost(endpoints: Sequence[str]) -> None:
+    """Raise :class:`~kvlocal.errors.ServerLost` if this process lost the connection to one of ``endpoints``."""
+    if endpoints and (gone := lost(endpoints)):
+        for ep in gone:  # probed and checked again when a model is loaded again
+            _checked.pop(ep, None)
+        raise ServerLost(gone, lost_text(gone))
+
+
 def dead_servers(endpoints: Sequence[str], timeout: float = 0.5) -> list[str]:
     """The endpoints that refuse a connection now (a server that died; a live one accepts, even while busy)."""
     dead = []
@@ -341,16 +387,13 @@ def abort_line(message: str, endpoints: Sequence[str], wait: float = 2.0) -> str
         time.sleep(0.1)
     if not dead and "RPC" not in message:
         return None
-    who = ", ".join(dead or endpoints)
     message = re.sub(r"^\S+:\d+: ", "", message.strip())  # ggml's source file and line
-    return (f"kvlocal: error: rpc-server {who} {'stopped' if dead else 'failed'} mid-computation "
-            f"(llama.cpp: {message.strip()}): the layers it held and their KV cache are lost; restart it "
-            f"(`kvlocal rpc-server`) and load the chat's last save, or run without it")
+    return f"kvlocal: error: {lost_text(dead or endpoints, 'llama.cpp: ' + message.strip())}"
 
 
 def guard_aborts(endpoints: Sequence[str]) -> None:
-    """Install (once) ggml's abort callback: an abort caused by a lost server prints :func:`abort_line` and exits
-    the process with status 1 (ggml-rpc aborts in its dispatcher thread: nothing can be caught or resumed)."""
+    """Install (once) ggml's abort callback: an abort caused by a server (a connection or handshake that fails as
+    a model loads: ggml-rpc aborts there) prints :func:`abort_line` and exits the process with status 1."""
     global _abort_cb
     _guarded.extend(ep for ep in endpoints if ep not in _guarded)
     if _abort_cb is not None:

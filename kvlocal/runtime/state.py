@@ -59,6 +59,7 @@ import numpy as np
 from kvlocal.errors import UsageError
 from kvlocal.runtime.kvquant import codec, type_name
 from kvlocal.runtime.library import has_attention_bias, llama_lib
+from kvlocal.runtime.llama import checks_servers
 from kvlocal.runtime.seqstate import SEQ_ID, SeqKV, build_blob, parse_blob
 
 STATE_FLAGS = 0  # never LLAMA_STATE_SEQ_FLAGS_ON_DEVICE: such blobs abort the process when edited
@@ -97,6 +98,7 @@ def _check_open(ctx) -> None:
         raise UsageError("this llama.cpp context has been closed")
 
 
+@checks_servers
 def get_blob(ctx) -> np.ndarray:
     """The raw sequence-state blob of sequence 0 (uint8 array), flags 0 (host copy)."""
     _check_open(ctx)
@@ -198,6 +200,7 @@ def _validate(ctx, kv: SeqKV) -> np.ndarray:
     return pos.astype(np.int32)
 
 
+@checks_servers
 def set_blob(ctx, buf: np.ndarray) -> None:
     """Load a sequence-state blob into sequence 0 (flags 0). Raises RuntimeError when llama.cpp refuses it
     (the sequence is then empty: llama.cpp clears a failed restore)."""

@@ -93,7 +93,8 @@ def run(args) -> int:
         sampling = sampling_params(args, model)  # the model's own sampling where its GGUF declares one
         worker = Worker(model, model_id, chat_options=settings, n_threads=runtime.n_threads, defaults=sampling,
             max_tokens=args.n_predict, cache_bytes=int(args.cache_mib * 2**20), cache_chats=args.cache_chats,
-            store=None if args.session_dir is None else ChatStore(args.session_dir, args.session_max_bytes))
+            store=None if args.session_dir is None else ChatStore(args.session_dir, args.session_max_bytes),
+            load=(lambda: runtime.load(path)) if runtime.rpc else None)
         cells = worker.check()  # builds one chat: a budget or method that cannot work fails here, not per request
         if not loopback and not args.api_key:
             print(f"kvlocal serve: warning: listening on {args.host} without --api-key: anyone who can reach "
@@ -104,6 +105,7 @@ def run(args) -> int:
     finally:
         if worker is not None:
             worker.close()
+            model = worker.model  # loaded again if an rpc-server was lost and came back
         if model is not None:
             model.close()
         sock.close()

@@ -108,7 +108,10 @@ def create_app(worker: Worker, api_key: str | None = None):
 
     async def health(request: Request):
         c, m = worker.cache, worker.recall_memory
-        return JSONResponse({"status": "ok", "model": worker.model_id, "method": worker.settings.method,
+        lost = worker.lost
+        return JSONResponse({"status": "ok" if lost is None else "rpc_server_lost",
+                             **({} if lost is None else {"rpc_servers_lost": list(lost.endpoints), "message": lost.text}),
+                             "model": worker.model_id, "method": worker.settings.method,
                              "budget": worker.settings.budget, "busy": worker.busy,
                              "queued": worker.queued, "served": worker.served, "conversations": len(c),
                              "cache_bytes": c.bytes, "cache_bytes_max": c.max_bytes, "evictions": c.evictions,

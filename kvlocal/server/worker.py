@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvlocal.errors import ServerLost, UsageError
 from kvlocal.settings import ChatSettings
 from kvlocal.chat.conversation import Call, Cancelled, ConversationCache, Conversations, Key, Result
 from kvlocal.recall import TierMemory
@@ -57,10 +58,12 @@ class Worker:
 
     def __init__(self, model, model_id: str, chat_options: ChatSettings | dict, defaults: dict, max_tokens: int = 512,
                  cache_bytes: int = DEFAULT_CACHE_MIB << 20, cache_chats: int = DEFAULT_CACHE_CHATS,
-                 store: ChatStore | None = None, n_threads: int | None = None):
+                 store: ChatStore | None = None, n_threads: int | None = None, load: Callable | None = None):
         """``chat_options``: the server's chat settings (or their fields as Chat's keywords, ``n_threads`` among
-        them); ``defaults``: the sampling a request that gives none gets."""
-        self.model, self.model_id = model, model_id
+        them); ``defaults``: the sampling a request that gives none gets; ``load``: loads the model again, after one
+        of its rpc-servers was lost and is back (None: a lost server stays lost)."""
+        self.model, self.model_id, self.load = model, model_id, load
+        self.lost: ServerLost | None = None  # an rpc-server of the model stopped: every request is refused (503)
         if not isinstance(chat_options, ChatSettings):
             chat_options = dict(chat_options)
             n_threads = chat_options.pop("n_threads", n_threads)
@@ -128,10 +131,43 @@ class Worker:
             raise _ShuttingDown()
         self.busy = True
         try:
+            self._reconnect()
             return self._generate(job)
+        except ServerLost as e:
+            self._lose(e)
+            raise self.lost from None
         finally:
             self.busy = False
             self.served += 1
+
+    def _lose(self, e: ServerLost) -> None:
+        """An rpc-server of the model stopped: the layers it held, and every conversation's cache there, are gone.
+        The conversations are closed (those in --session-dir stay as last saved) and requests are refused, naming
+        the server, until it answers again."""
+        if self.lost is None:
+            from kvlocal.runtime.rpc import lost_text
+
+            then = "restart it and `kvlocal serve`"
+            if self.load is not None:
+                then = ("restart it (`kvlocal rpc-server`): the first request after that loads the model again"
+                        + (", and conversations go on from their last save in --session-dir" if self.store else ""))
+            self.lost = ServerLost(e.endpoints, lost_text(e.endpoints, then=then, wait=0))
+            self.cache.close()
+
+    def _reconnect(self) -> None:
+        """Once the lost servers accept connections again, load the model again (ggml-rpc connects afresh)."""
+        if self.lost is None:
+            return
+        from kvlocal.runtime.rpc import dead_servers
+
+        if self.load is None or dead_servers(self.lost.endpoints):
+            raise self.lost
+        self.model.close()
+        try:
+            self.model = self.load()
+        except UsageError as e:  # back, but refused (another build, no device): still lost, and why
+            raise ServerLost(self.lost.endpoints, f"{self.lost.text} — loading the model again failed: {e}") from None
+        self.lost = None
 
     def _restore(self, head: Key, call: Call):
         """The chat the session folder holds under ``head``, if its settings are the server's with the call's."""

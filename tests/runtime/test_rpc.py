@@ -94,6 +94,15 @@ class Servers:
         proc.kill()
         proc.wait(timeout=10)
 
+    def restart(self, endpoint: str) -> None:
+        """A new server on a killed one's port."""
+        self.procs[endpoint].stderr.close()
+        port = int(endpoint.rsplit(":", 1)[1])
+        self.procs[endpoint] = proc = subprocess.Popen(
+            [sys.executable, "-m", "kvlocal", "rpc-server", "--port", str(port), "--threads", "1"], cwd=REPO,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+        wait_listening(port, proc)
+
     def stop(self) -> None:
         gc.collect()  # contexts and models left to the collector free their remote buffers while the servers live
         for proc in self.procs.values():
@@ -231,23 +240,36 @@ def test_doctor_lists_the_servers_devices():
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "HOST:PORT" in bad.stderr
 
 
+# the end of a killed run's script: the ServerLost the engine raised, printed as `kvlocal` prints it, then proof that
+# the process goes on — a context on this machine alone decodes
+LOST = """
+except ServerLost as e:
+    print(f"kvlocal: error: {{e}}", file=sys.stderr, flush=True)
+    Context(Model(sys.argv[1]), 64, n_threads=2).decode(model.tokenize("Still here."))
+    print("alive", flush=True)
+    sys.exit(e.exit_code)
+"""
+
 KILLED = """
 import sys
 from kvlocal.engine import Engine
-from kvlocal.runtime import Model
+from kvlocal.errors import ServerLost
+from kvlocal.runtime import Context, Model
 model = Model(sys.argv[1], n_gpu_layers={n}, rpc=sys.argv[2].split(","), tensor_split=(1, 1))
 tokens = model.tokenize(" ".join(f"Item {{i}} is on shelf {{i % 7}}." for i in range(60)))
 eng = Engine(model, 128, "criticalkv", max_tokens=len(tokens) + 4000, chunk=64, n_threads=2, backend="native")
-eng.prefill(tokens)
-for i, tok in enumerate(eng.generate(4000, stop_at_eog=False)):
-    print(i, flush=True)
-"""
+try:
+    eng.prefill(tokens)
+    for i, tok in enumerate(eng.generate(4000, stop_at_eog=False)):
+        print(i, flush=True)
+""" + LOST
 
 
 @pytest.mark.slow(5)
 def test_a_server_killed_mid_reply_ends_the_run_with_one_line(smollm2):
-    """ggml-rpc aborts the process when a server stops answering; kvlocal's abort callback makes that one line
-    naming the dead server, and the run ends (exit 1) instead of hanging or dumping a C backtrace."""
+    """A server that stops answering mid-reply no longer aborts the process (patch 0015): the engine raises
+    ServerLost, one line naming the dead server and what to do (exit 1 from the command line), and the process goes
+    on — nothing hangs, no C backtrace."""
     rpc_runtime()
     s = Servers()
     try:
@@ -257,13 +279,13 @@ def test_a_server_killed_mid_reply_ends_the_run_with_one_line(smollm2):
             assert proc.stdout.readline().strip() == "0", proc.stderr.read()  # the reply has begun
             dead = s.endpoints[1]
             s.kill(dead)
-            _, err = proc.communicate(timeout=60)
+            out, err = proc.communicate(timeout=60)
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate(timeout=10)
         lines = err.strip().splitlines()
-        assert proc.returncode == 1, err
+        assert proc.returncode == 1 and out.splitlines()[-1] == "alive", err
         assert len(lines) == 1 and lines[0].startswith(f"kvlocal: error: rpc-server {dead} stopped mid-computation"), err
         assert "restart it (`kvlocal rpc-server`)" in lines[0]
         print("\n" + lines[0])
@@ -338,8 +360,9 @@ KILLED_AT = """
 import sys
 from kvlocal.engine import Engine
 from kvlocal.engine.compressor import Compressor
+from kvlocal.errors import ServerLost
 from kvlocal.recall import Reselection
-from kvlocal.runtime import Model
+from kvlocal.runtime import Context, Model
 
 where, swapping = sys.argv[3], []
 apply, swap = Compressor.apply, Reselection.swap
@@ -362,15 +385,16 @@ model = Model(sys.argv[1], n_gpu_layers={n}, rpc=sys.argv[2].split(","), tensor_
 tokens = model.tokenize(" ".join(f"Item {{i}} is on shelf {{i % 7}}." for i in range(60)))
 eng = Engine(model, 128, "criticalkv", max_tokens=len(tokens) + 400, chunk=64, n_threads=2, backend="native",
              recall=where == "swap")
-if where == "swap":
-    Compressor.apply = apply  # the reading's events go through; the question's swap stops
-    eng.prefill(tokens)
-    Compressor.apply = paused_apply
-    eng.append(model.tokenize(" Which shelf holds item 12?", add_special=False), question=True)
-else:
-    eng.prefill(tokens)
-print("done", flush=True)
-"""
+try:
+    if where == "swap":
+        Compressor.apply = apply  # the reading's events go through; the question's swap stops
+        eng.prefill(tokens)
+        Compressor.apply = paused_apply
+        eng.append(model.tokenize(" Which shelf holds item 12?", add_special=False), question=True)
+    else:
+        eng.prefill(tokens)
+    print("done", flush=True)
+""" + LOST
 
 
 @pytest.mark.parametrize("where", ["event", "swap"])
@@ -394,9 +418,63 @@ def test_a_server_killed_mid_event_or_swap_ends_the_run_with_one_line(smollm2, w
                 proc.kill()
                 proc.communicate(timeout=10)
         lines = err.strip().splitlines()
-        assert proc.returncode == 1 and "done" not in out, (out, err)
+        assert proc.returncode == 1 and "done" not in out and out.splitlines()[-1] == "alive", (out, err)
         assert len(lines) == 1 and lines[0].startswith(f"kvlocal: error: rpc-server {dead} "), err
         assert "restart it (`kvlocal rpc-server`)" in lines[0]
         print("\n" + lines[0])
     finally:
+        s.stop()
+
+
+@pytest.mark.slow(30)
+def test_serve_refuses_while_a_server_is_lost_and_loads_the_model_again_once_it_is_back(smollm2, tmp_path):
+    """`kvlocal serve` on a split model outlives a killed rpc-server: the request that meets the loss and every one
+    after it are refused with 503 naming the server (every conversation needs every layer), /health says so, the
+    process stays up; once a server answers on that port again, the next request loads the model again and is
+    served as the first one was."""
+    import httpx
+
+    rpc_runtime()
+    s = Servers()
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "kvlocal", "serve", str(smollm2), "--rpc", ",".join(s.endpoints),
+                                 "-ngl", str(N_REMOTE), "-ts", "1,1", "--port", str(port), "--temp", "0", "-t", "2"],
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, preexec_fn=die_with_parent)
+    url = f"http://127.0.0.1:{port}"
+    body = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 8}
+
+    def ask() -> httpx.Response:
+        return httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+
+    try:
+        t0 = time.monotonic()
+        while "(OpenAI API at" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() - t0 < 120, log.read_text()
+            time.sleep(0.2)
+        first = ask()
+        assert first.status_code == 200, first.text
+        dead = s.endpoints[1]
+        s.kill(dead)
+        refused = [ask(), ask()]  # the one that meets the loss, and one after it
+        for r in refused:
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["message"].startswith(f"rpc-server {dead} stopped mid-computation"), r.text
+        health = httpx.get(url + "/health", timeout=10).json()
+        assert health["status"] == "rpc_server_lost" and health["rpc_servers_lost"] == [dead], health
+        assert proc.poll() is None
+        s.restart(dead)
+        again = ask()
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+        assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
+        print("\n" + refused[0].json()["error"]["message"])
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
         s.stop()

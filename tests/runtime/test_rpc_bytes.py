@@ -56,9 +56,10 @@ def test_each_answer_is_matched_and_its_wait_goes_to_what_the_server_did_first()
 @pytest.mark.slow(12)
 def test_on_loopback_a_token_and_a_row_copy_cost_what_the_protocol_says(smollm2):
     """Through the relay: every byte each way belongs to a frame, every answered request is answered; a decoded token
-    reads back only its logits (the output layer is on the server); a copy of ``n`` rows of a layer there reads back
-    their K and V and sends two indices: ``n`` int32 each with flash attention (V untransposed, a row in one piece),
-    without it one int32 per V element (llama.cpp stores V transposed: a row's V is head_dim elements apart)."""
+    reads back only its logits (the output layer is on the server); a copy of ``n`` rows of a layer there, either way,
+    moves their K and V and one int32 index per row for each, with flash attention (V untransposed, a row in one
+    piece) and without it (llama.cpp stores V transposed: a row's V is kv_size elements apart, gathered on the
+    device)."""
     rpc_runtime()
     from kvlocal.runtime import Context, Model
 
@@ -91,8 +92,15 @@ def test_on_loopback_a_token_and_a_row_copy_cost_what_the_protocol_says(smollm2)
                 assert c["round trips"] == sum(c[m + " n"] for m in ANSWERED)
             assert (token["GET_TENSOR n"], token["GET_TENSOR down"]) == (1, model.n_vocab * 4 + 8)  # (+ its size)
             assert (copy["GET_TENSOR n"], copy["GET_TENSOR down"]) == (2, k.nbytes + v.nbytes + 2 * 8)
-            indices = 4 * n * (2 if flash else 1 + a.head_dim_v)
-            assert copy["SET_TENSOR n"] == 2 and 0 < copy["SET_TENSOR up"] - indices < 2 * 1024  # (+ tensor headers)
+            assert copy["SET_TENSOR n"] == 2 and 0 < copy["SET_TENSOR up"] - 4 * n * 2 < 2 * 1024  # (+ tensor headers)
+            c0 = relay.snapshot()
+            ctx.set_rows(a.n_layer - 1, np.arange(n) % len(tokens), np.arange(n) % a.n_head_kv, k, v)
+            back = since(c0)
+            # the rows and the indices (a transposed V's go per KV head, each head's part of one index, as it is read)
+            assert back["GET_TENSOR n"] == 0 and back["SET_TENSOR n"] == (4 if flash else 3 + a.n_head_kv)
+            assert 0 < back["SET_TENSOR up"] - (k.nbytes + v.nbytes + 4 * n * 2) < 4 * 1024  # (+ tensor headers)
+            assert np.array_equal(ctx.get_rows(a.n_layer - 1, np.arange(n) % len(tokens), np.arange(n) % a.n_head_kv,
+                                               a.head_dim_k * 2, a.head_dim_v * 2)[1], v)
             ctx.close()
             ctx = None
     finally:
