@@ -93,16 +93,63 @@ def test_on_loopback_a_token_and_a_row_copy_cost_what_the_protocol_says(smollm2)
             assert (token["GET_TENSOR n"], token["GET_TENSOR down"]) == (1, model.n_vocab * 4 + 8)  # (+ its size)
             assert (copy["GET_TENSOR n"], copy["GET_TENSOR down"]) == (2, k.nbytes + v.nbytes + 2 * 8)
             assert copy["SET_TENSOR n"] == 2 and 0 < copy["SET_TENSOR up"] - 4 * n * 2 < 2 * 1024  # (+ tensor headers)
+            # the rows written back, then read again: nothing answers a write, so its last frames may still be on
+            # their way when it returns; the read after it answers once they have all passed the relay
             c0 = relay.snapshot()
             ctx.set_rows(a.n_layer - 1, np.arange(n) % len(tokens), np.arange(n) % a.n_head_kv, k, v)
-            back = since(c0)
-            # the rows and the indices (a transposed V's go per KV head, each head's part of one index, as it is read)
-            assert back["GET_TENSOR n"] == 0 and back["SET_TENSOR n"] == (4 if flash else 3 + a.n_head_kv)
-            assert 0 < back["SET_TENSOR up"] - (k.nbytes + v.nbytes + 4 * n * 2) < 4 * 1024  # (+ tensor headers)
-            assert np.array_equal(ctx.get_rows(a.n_layer - 1, np.arange(n) % len(tokens), np.arange(n) % a.n_head_kv,
-                                               a.head_dim_k * 2, a.head_dim_v * 2)[1], v)
+            again = ctx.get_rows(a.n_layer - 1, np.arange(n) % len(tokens), np.arange(n) % a.n_head_kv,
+                                 a.head_dim_k * 2, a.head_dim_v * 2)
+            both = since(c0)
+            assert np.array_equal(again[0], k) and np.array_equal(again[1], v)
+            # the write: the rows and two indices (a transposed V's go per KV head, each head's part of one index, as
+            # it is read); the read: two indices up
+            assert both["GET_TENSOR n"] == 2 and both["SET_TENSOR n"] == (4 if flash else 3 + a.n_head_kv) + 2
+            assert 0 < both["SET_TENSOR up"] - (k.nbytes + v.nbytes + 2 * 4 * n * 2) < 4 * 1024  # (+ tensor headers)
             ctx.close()
             ctx = None
+    finally:
+        if ctx is not None:
+            ctx.close()
+        if model is not None:
+            model.close()
+        relay.close()
+        servers.stop()
+
+
+def test_a_decoded_token_sends_no_graph_while_the_capture_is_disarmed(smollm2):
+    """kvlocal's contexts carry an eval callback (the query capture); llama.cpp reuses a token's graph from the last
+    one, and with patch 0016 so does the scheduler's split, callback or not: a token whose queries nobody asked for
+    sends GRAPH_RECOMPUTE (its uid), not the whole graph again — which was ~80% of a token's bytes. An armed token
+    still sends its pieces."""
+    rpc_runtime()
+    from kvlocal.runtime import Context, Model
+    from kvlocal.runtime.capture import QueryCapture
+
+    servers = Servers(1)
+    relay = Relay(servers.endpoints[0])
+    model = ctx = None
+    try:
+        model = Model(smollm2, n_gpu_layers=N_REMOTE, rpc=[relay.endpoint])
+        cap = QueryCapture.for_model(model)
+        ctx = Context(model, 512, cb_eval=cap.callback)
+        ctx.decode(model.tokenize("The harbour office opens at nine."))
+        token = []
+        for armed in (False, False, False, True):
+            if armed:
+                cap.arm(1)
+            c0 = relay.snapshot()
+            ctx.decode([model.tokenize(" The", add_special=False)[0]])
+            c = relay.snapshot()
+            c.subtract(c0)
+            if armed:
+                cap.take()
+            token.append(c)
+        for c in token[1:3]:  # the first may differ from the prefill's graph: the next ones reuse it
+            assert (c["GRAPH_COMPUTE n"], c["GRAPH_RECOMPUTE n"]) == (0, 1), dict(c)
+            assert c["up"] < 20_000, dict(c)  # the token's inputs and a 13-byte request; its graph was ~400 KB
+        assert token[3]["GRAPH_COMPUTE n"] > 1  # armed: the graph in pieces, up to each captured query
+        print(f"\nper token, disarmed: {token[2]['up'] + token[2]['down']:,} B; armed: "
+              f"{token[3]['up'] + token[3]['down']:,} B")
     finally:
         if ctx is not None:
             ctx.close()
