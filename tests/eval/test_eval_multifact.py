@@ -163,3 +163,16 @@ def test_recall_binding_compares_the_full_caches_attention_with_what_recall_hold
         shares = [v for k, v in figures.items() if ("held" in k or "candidates" in k) and not math.isnan(v)]
         assert shares and all(0 <= v <= 1 for v in shares)
         assert rb.verdict(turn.reply, fact, facts) in ("answered", "confused", "missed")
+
+
+def test_freeform_loops_counts_a_tail_of_one_repeated_span_only():
+    """tools/freeform_loops.py's verdict: the last ``tail`` tokens one span of at most 16 (and a third of the tail)
+    repeated — a reply that ends while still saying new things, or too short to hold the tail, does not loop."""
+    from tools.freeform_loops import loops
+
+    span = [11, 12, 13, 14, 15, 16, 17, 18]
+    assert loops(list(range(40)) + span * 6, 48)  # "… a woman who is a woman who is …"
+    assert not loops(list(range(100)), 48)  # new tokens to the end
+    assert not loops(span * 5, 48)  # 40 tokens: shorter than the tail
+    assert not loops(list(range(30)) + [7] * 20 + list(range(30)), 48)  # a repeat that ended
+    assert not loops(list(range(100, 124)) * 4, 48)  # a span of 24 repeated to the end: over 16
