@@ -60,8 +60,9 @@ class ServerLost(KvlocalError):
 
     status, code, exit_code = 503, "rpc_server_lost", 1
 
-    def __init__(self, endpoints, text: str):
-        self.endpoints = tuple(endpoints)
+    def __init__(self, endpoints, text: str, stopped: bool = True):
+        # stopped: the server refuses connections (else it answers, but broke the protocol)
+        self.endpoints, self.stopped = tuple(endpoints), stopped
         super().__init__(text)
 
 

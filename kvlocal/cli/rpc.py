@@ -62,19 +62,19 @@ def run(args) -> int:
 def doctor_rows(spec: str) -> tuple[list[tuple[str, str]], int]:
     """``kvlocal doctor --rpc``'s rows: each server's devices and memory and whether it runs kvlocal's patched ggml;
     (rows, problems)."""
-    from kvlocal.runtime import rpc
+    from kvlocal.runtime import check_bias, has_rpc, parse_endpoints, probe
 
     rows, problems = [], 0
     try:
-        has = rpc.has_rpc()
+        has = has_rpc()
     except UsageError as e:
         return [("rpc", f"NOT AVAILABLE: {e}")], 1
     if not has:
         return [("rpc", "this llama.cpp has no RPC backend: rerun `python ggml_patches/build.py`")], 1
-    for ep in rpc.parse_endpoints(spec):
+    for ep in parse_endpoints(spec):
         try:
-            info = rpc.probe(ep)
-            rpc.check_bias(ep)
+            info = probe(ep)
+            check_bias(ep)
             rows += [("rpc", line) for line in info.describe()]
             rows.append(("", f"{ep}: kvlocal's patched ggml (flash attention adds the attention bias)"))
         except UsageError as e:
@@ -85,10 +85,10 @@ def doctor_rows(spec: str) -> tuple[list[tuple[str, str]], int]:
 
 def runtime_row() -> tuple[str, str]:
     """``kvlocal doctor``'s rpc row: whether the runtime has the RPC backend and where its server is."""
-    from kvlocal.runtime import rpc
+    from kvlocal.runtime import has_rpc, server_binary
 
-    if not rpc.has_rpc():
+    if not has_rpc():
         return ("rpc", "not built: --rpc needs `python ggml_patches/build.py` (GGML_RPC=ON)")
-    binary = rpc.server_binary()
+    binary = server_binary()
     return ("rpc", f"RPC backend built; `kvlocal rpc-server` runs {binary}" if binary else
             "RPC backend built, but no rpc-server beside the libraries: rerun `python ggml_patches/build.py`")

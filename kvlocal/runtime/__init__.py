@@ -22,7 +22,8 @@ from kvlocal.runtime.kvquant import CACHE_TYPES, FLOAT_TYPES, CacheBasis, bytes_
 from kvlocal.runtime.library import (REQUIRED_LLAMA_CPP_PYTHON, RuntimeInfo, has_attention_bias, has_native_compression,
                                      has_native_recall, runtime_info)
 from kvlocal.runtime.llama import BIAS_BYTES, N_UBATCH, Context, Model, kv_cache_bytes, pad_cells
-from kvlocal.runtime.rpc import DEFAULT_PORT, SECURITY, parse_endpoints, server_binary
+from kvlocal.runtime.rpc import (DEFAULT_PORT, SECURITY, check_bias, dead_servers, has_rpc, lost_text,
+                                 parse_endpoints, probe, server_binary)
 from kvlocal.runtime.sampler import (CHAT_SAMPLING, SAMPLING_PARAMS, Sampler, SamplerParamError, chat_sampling,
                                      top_probability)
 from kvlocal.runtime.seqstate import blob_rows, row_bytes, row_format, rows_from_bytes, rows_to_bytes
@@ -31,7 +32,8 @@ from kvlocal.runtime.state import CacheLost, clear_seq, get_blob, read_seq, set_
 __all__ = [
     "BIAS_BYTES", "CACHE_TYPES", "DEFAULT_PORT", "FLOAT_TYPES", "HERMES_OPEN", "N_UBATCH", "REQUIRED_LLAMA_CPP_PYTHON",
     "SECURITY", "STATE_IO_ENV", "HostView", "blob_rows", "clear_seq", "get_blob", "has_native_recall",
-    "parse_endpoints", "read_seq", "row_bytes", "rows_from_bytes", "rows_to_bytes", "server_binary", "set_blob",
+    "check_bias", "dead_servers", "has_rpc", "lost_text", "parse_endpoints", "probe", "read_seq", "row_bytes",
+    "rows_from_bytes", "rows_to_bytes", "server_binary", "set_blob",
     "write_seq",
     "CacheBasis", "CacheLost", "Context", "MetalBias", "Model", "QueryCapture",
     "RuntimeInfo", "Sampler", "SamplerParamError", "CHAT_SAMPLING", "SAMPLING_PARAMS", "chat_sampling",

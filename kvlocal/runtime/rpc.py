@@ -347,16 +347,11 @@ def lost(endpoints: Sequence[str]) -> list[str]:
 AFTER_LOSS = "restart it (`kvlocal rpc-server`) and load the chat's last save, or run without it"
 
 
-def lost_text(endpoints: Sequence[str], why: str = "", then: str = AFTER_LOSS, wait: float = 1.0) -> str:
-    """What kvlocal says of servers lost mid-computation: which, whether they stopped (they refuse connections; a
-    dying server's connection may close a moment before its listening socket does: asked again for up to ``wait``
-    seconds) or failed, and what to do."""
-    end = time.monotonic() + wait
-    while not (dead := dead_servers(endpoints)) and time.monotonic() < end:
-        time.sleep(0.1)
-    who = ", ".join(endpoints)
-    return (f"rpc-server {who} {'stopped' if dead else 'failed'} mid-computation{f' ({why})' if why else ''}: the "
-            f"layers it held and their KV cache are lost; {then}")
+def lost_text(endpoints: Sequence[str], stopped: bool, why: str = "", then: str = AFTER_LOSS) -> str:
+    """What kvlocal says of servers lost mid-computation: which, whether they ``stopped`` (refuse connections) or
+    failed (answer, but broke the protocol), and what to do."""
+    return (f"rpc-server {', '.join(endpoints)} {'stopped' if stopped else 'failed'} mid-computation"
+            f"{f' ({why})' if why else ''}: the layers it held and their KV cache are lost; {then}")
 
 
 def check_lost(endpoints: Sequence[str]) -> None:
@@ -364,31 +359,35 @@ def check_lost(endpoints: Sequence[str]) -> None:
     if endpoints and (gone := lost(endpoints)):
         for ep in gone:  # probed and checked again when a model is loaded again
             _checked.pop(ep, None)
-        raise ServerLost(gone, lost_text(gone))
+        stopped = bool(dead_servers(gone, wait=1.0))
+        raise ServerLost(gone, lost_text(gone, stopped), stopped)
 
 
-def dead_servers(endpoints: Sequence[str], timeout: float = 0.5) -> list[str]:
-    """The endpoints that refuse a connection now (a server that died; a live one accepts, even while busy)."""
-    dead = []
-    for ep in endpoints:
-        try:
-            socket.create_connection(split(ep), timeout=timeout).close()
-        except OSError:
-            dead.append(ep)
-    return dead
+def dead_servers(endpoints: Sequence[str], timeout: float = 0.5, wait: float = 0.0) -> list[str]:
+    """The endpoints that refuse a connection now (a server that died; a live one accepts, even while busy). A
+    dying server's connection may close a moment before its listening socket does: with ``wait``, the servers are
+    asked again for up to that many seconds while none refuses."""
+    end = time.monotonic() + wait
+    while True:
+        dead = []
+        for ep in endpoints:
+            try:
+                socket.create_connection(split(ep), timeout=timeout).close()
+            except OSError:
+                dead.append(ep)
+        if dead or time.monotonic() >= end:
+            return dead
+        time.sleep(0.1)
 
 
 def abort_line(message: str, endpoints: Sequence[str], wait: float = 2.0) -> str | None:
     """The line kvlocal prints when ggml aborts: a lost server named, with what to do; None for an abort that is
-    not the RPC backend's (ggml then aborts as it would). A dying server's connection may close a moment before
-    its listening socket does: the servers are asked again for up to ``wait`` seconds."""
-    end = time.monotonic() + (wait if "RPC" in message else 0)
-    while not (dead := dead_servers(endpoints)) and time.monotonic() < end:
-        time.sleep(0.1)
+    not the RPC backend's (ggml then aborts as it would)."""
+    dead = dead_servers(endpoints, wait=wait if "RPC" in message else 0)
     if not dead and "RPC" not in message:
         return None
     message = re.sub(r"^\S+:\d+: ", "", message.strip())  # ggml's source file and line
-    return f"kvlocal: error: {lost_text(dead or endpoints, 'llama.cpp: ' + message.strip())}"
+    return f"kvlocal: error: {lost_text(dead or endpoints, bool(dead), 'llama.cpp: ' + message.strip())}"
 
 
 def guard_aborts(endpoints: Sequence[str]) -> None:

@@ -145,20 +145,20 @@ class Worker:
         The conversations are closed (those in --session-dir stay as last saved) and requests are refused, naming
         the server, until it answers again."""
         if self.lost is None:
-            from kvlocal.runtime.rpc import lost_text
+            from kvlocal.runtime import lost_text
 
             then = "restart it and `kvlocal serve`"
             if self.load is not None:
                 then = ("restart it (`kvlocal rpc-server`): the first request after that loads the model again"
                         + (", and conversations go on from their last save in --session-dir" if self.store else ""))
-            self.lost = ServerLost(e.endpoints, lost_text(e.endpoints, then=then, wait=0))
+            self.lost = ServerLost(e.endpoints, lost_text(e.endpoints, e.stopped, then=then), e.stopped)
             self.cache.close()
 
     def _reconnect(self) -> None:
         """Once the lost servers accept connections again, load the model again (ggml-rpc connects afresh)."""
         if self.lost is None:
             return
-        from kvlocal.runtime.rpc import dead_servers
+        from kvlocal.runtime import dead_servers
 
         if self.load is None or dead_servers(self.lost.endpoints):
             raise self.lost
@@ -166,7 +166,8 @@ class Worker:
         try:
             self.model = self.load()
         except UsageError as e:  # back, but refused (another build, no device): still lost, and why
-            raise ServerLost(self.lost.endpoints, f"{self.lost.text} — loading the model again failed: {e}") from None
+            raise ServerLost(self.lost.endpoints, f"{self.lost.text} — loading the model again failed: {e}",
+                             self.lost.stopped) from None
         self.lost = None
 
     def _restore(self, head: Key, call: Call):

@@ -250,6 +250,32 @@ except ServerLost as e:
     sys.exit(e.exit_code)
 """
 
+def kill_mid_run(s: Servers, argv: list[str], ready: str, dead: str, go: str | None = None) -> tuple[int, str, str]:
+    """Run ``argv`` until its first line of output is ``ready``, kill the server ``dead``, let the run go on (writing
+    ``go`` to it) and end, bounded: (returncode, stdout, stderr)."""
+    proc = subprocess.Popen(argv, cwd=REPO, stdin=None if go is None else subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == ready, proc.stderr.read()
+        s.kill(dead)
+        out, err = proc.communicate(go, timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    return proc.returncode, out, err
+
+
+def assert_one_lost_line(returncode: int, out: str, err: str, start: str) -> None:
+    """The run ended with exit 1 after the process went on (``alive``), and stderr is one line beginning ``start``
+    that says what to do."""
+    lines = err.strip().splitlines()
+    assert returncode == 1 and out.splitlines()[-1] == "alive", (out, err)
+    assert len(lines) == 1 and lines[0].startswith(start), err
+    assert "restart it (`kvlocal rpc-server`)" in lines[0]
+    print("\n" + lines[0])
+
+
 KILLED = """
 import sys
 from kvlocal.engine import Engine
@@ -273,22 +299,10 @@ def test_a_server_killed_mid_reply_ends_the_run_with_one_line(smollm2):
     rpc_runtime()
     s = Servers()
     try:
-        proc = subprocess.Popen([sys.executable, "-c", KILLED.format(n=N_REMOTE), str(smollm2), ",".join(s.endpoints)],
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            assert proc.stdout.readline().strip() == "0", proc.stderr.read()  # the reply has begun
-            dead = s.endpoints[1]
-            s.kill(dead)
-            out, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate(timeout=10)
-        lines = err.strip().splitlines()
-        assert proc.returncode == 1 and out.splitlines()[-1] == "alive", err
-        assert len(lines) == 1 and lines[0].startswith(f"kvlocal: error: rpc-server {dead} stopped mid-computation"), err
-        assert "restart it (`kvlocal rpc-server`)" in lines[0]
-        print("\n" + lines[0])
+        dead = s.endpoints[1]
+        run = kill_mid_run(s, [sys.executable, "-c", KILLED.format(n=N_REMOTE), str(smollm2), ",".join(s.endpoints)],
+                           "0", dead)  # killed once the reply has begun
+        assert_one_lost_line(*run, f"kvlocal: error: rpc-server {dead} stopped mid-computation")
     finally:
         s.stop()
 
@@ -405,23 +419,11 @@ def test_a_server_killed_mid_event_or_swap_ends_the_run_with_one_line(smollm2, w
     rpc_runtime()
     s = Servers()
     try:
-        proc = subprocess.Popen([sys.executable, "-c", KILLED_AT.format(n=N_REMOTE), str(smollm2),
-                                 ",".join(s.endpoints), where], cwd=REPO, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            assert proc.stdout.readline().strip() == "at", proc.stderr.read()
-            dead = s.endpoints[0]
-            s.kill(dead)
-            out, err = proc.communicate("go\n", timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate(timeout=10)
-        lines = err.strip().splitlines()
-        assert proc.returncode == 1 and "done" not in out and out.splitlines()[-1] == "alive", (out, err)
-        assert len(lines) == 1 and lines[0].startswith(f"kvlocal: error: rpc-server {dead} "), err
-        assert "restart it (`kvlocal rpc-server`)" in lines[0]
-        print("\n" + lines[0])
+        dead = s.endpoints[0]
+        run = kill_mid_run(s, [sys.executable, "-c", KILLED_AT.format(n=N_REMOTE), str(smollm2), ",".join(s.endpoints),
+                               where], "at", dead, go="go\n")
+        assert "done" not in run[1], run
+        assert_one_lost_line(*run, f"kvlocal: error: rpc-server {dead} ")
     finally:
         s.stop()
 

@@ -5,6 +5,7 @@ decoded token and a row copy costing the bytes the protocol says they do."""
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import threading
 from collections import Counter
@@ -14,6 +15,28 @@ import pytest
 
 from test_rpc import N_REMOTE, Servers, rpc_runtime
 from tools.rpc_bytes import ANSWERED, COMMANDS, Conversation, Frames, Relay
+
+
+@contextlib.contextmanager
+def split_through_relay(smollm2):
+    """SmolLM2 with its last layers and output on one rpc-server, behind a byte-counting relay: ``(model, relay,
+    contexts)``; the contexts a test appends to ``contexts`` are closed before the model, then the relay and server."""
+    rpc_runtime()
+    from kvlocal.runtime import Model
+
+    servers = Servers(1)
+    relay = Relay(servers.endpoints[0])
+    model, contexts = None, []
+    try:
+        model = Model(smollm2, n_gpu_layers=N_REMOTE, rpc=[relay.endpoint])
+        yield model, relay, contexts
+    finally:
+        for ctx in contexts:
+            ctx.close()
+        if model is not None:
+            model.close()
+        relay.close()
+        servers.stop()
 
 
 def request(cmd: int, payload: bytes) -> bytes:
@@ -60,24 +83,19 @@ def test_on_loopback_a_token_and_a_row_copy_cost_what_the_protocol_says(smollm2)
     moves their K and V and one int32 index per row for each, with flash attention (V untransposed, a row in one
     piece) and without it (llama.cpp stores V transposed: a row's V is kv_size elements apart, gathered on the
     device)."""
-    rpc_runtime()
-    from kvlocal.runtime import Context, Model
+    from kvlocal.runtime import Context
 
-    servers = Servers(1)
-    relay = Relay(servers.endpoints[0])
-    model = ctx = None
+    with split_through_relay(smollm2) as (model, relay, contexts):
+        def since(before: Counter) -> Counter:
+            c = relay.snapshot()
+            c.subtract(before)
+            return c
 
-    def since(before: Counter) -> Counter:
-        c = relay.snapshot()
-        c.subtract(before)
-        return c
-
-    try:
-        model = Model(smollm2, n_gpu_layers=N_REMOTE, rpc=[relay.endpoint])
         a, n = model.arch, 100
         tokens = model.tokenize(" ".join(f"Locker {i} holds key {i * 37 % 1000}." for i in range(40)))[:200]
         for flash in (True, False):
             ctx = Context(model, 512, flash_attn=flash)
+            contexts.append(ctx)
             ctx.decode(tokens)
             c0 = relay.snapshot()
             ctx.decode([tokens[0]])
@@ -105,15 +123,8 @@ def test_on_loopback_a_token_and_a_row_copy_cost_what_the_protocol_says(smollm2)
             # it is read); the read: two indices up
             assert both["GET_TENSOR n"] == 2 and both["SET_TENSOR n"] == (4 if flash else 3 + a.n_head_kv) + 2
             assert 0 < both["SET_TENSOR up"] - (k.nbytes + v.nbytes + 2 * 4 * n * 2) < 4 * 1024  # (+ tensor headers)
+            contexts.remove(ctx)
             ctx.close()
-            ctx = None
-    finally:
-        if ctx is not None:
-            ctx.close()
-        if model is not None:
-            model.close()
-        relay.close()
-        servers.stop()
 
 
 def test_a_decoded_token_sends_no_graph_while_the_capture_is_disarmed(smollm2):
@@ -121,17 +132,13 @@ def test_a_decoded_token_sends_no_graph_while_the_capture_is_disarmed(smollm2):
     one, and with patch 0016 so does the scheduler's split, callback or not: a token whose queries nobody asked for
     sends GRAPH_RECOMPUTE (its uid), not the whole graph again — which was ~80% of a token's bytes. An armed token
     still sends its pieces."""
-    rpc_runtime()
-    from kvlocal.runtime import Context, Model
+    from kvlocal.runtime import Context
     from kvlocal.runtime.capture import QueryCapture
 
-    servers = Servers(1)
-    relay = Relay(servers.endpoints[0])
-    model = ctx = None
-    try:
-        model = Model(smollm2, n_gpu_layers=N_REMOTE, rpc=[relay.endpoint])
+    with split_through_relay(smollm2) as (model, relay, contexts):
         cap = QueryCapture.for_model(model)
         ctx = Context(model, 512, cb_eval=cap.callback)
+        contexts.append(ctx)
         ctx.decode(model.tokenize("The harbour office opens at nine."))
         token = []
         for armed in (False, False, False, True):
@@ -150,10 +157,3 @@ def test_a_decoded_token_sends_no_graph_while_the_capture_is_disarmed(smollm2):
         assert token[3]["GRAPH_COMPUTE n"] > 1  # armed: the graph in pieces, up to each captured query
         print(f"\nper token, disarmed: {token[2]['up'] + token[2]['down']:,} B; armed: "
               f"{token[3]['up'] + token[3]['down']:,} B")
-    finally:
-        if ctx is not None:
-            ctx.close()
-        if model is not None:
-            model.close()
-        relay.close()
-        servers.stop()
