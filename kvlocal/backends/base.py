@@ -118,7 +118,6 @@ class CacheRead:
     count: np.ndarray
     kv: object = None
     groups: np.ndarray | None = None  # [n_layer, Hkv, n] rows kept or dropped together (LayerInputs.groups)
-    factor: np.ndarray | None = None  # [n_layer, Hkv, n] each row's factor on its attention score (LayerInputs.factor)
     tier_ids: np.ndarray | None = None  # [n_layer, Hkv, n] the recall tier's number of a row brought in (base + id), -1 for a device row
 
     @property

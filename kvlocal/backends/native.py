@@ -110,7 +110,7 @@ class NativeBackend(KVBackend):
             rows = _DeviceRowSource(self, read, i, q[i], q_pos)
             yield LayerInputs(k=None, v=None, pos=read.true[i], q=qs[i], q_pos=q_pos[-w:], layer=il, n_sink=n_sink,
                               recent=recent, bias=None if bias is None else bias[i], vnorm=vnorm[i], votes=votes[i],
-                              factor=None if read.factor is None else read.factor[i], rows=rows)
+                              rows=rows)
 
     def _host_logits(self, qs: np.ndarray, host: NativeRows, bias: np.ndarray | None, scale: float) -> np.ndarray:
         """``scale * q·k + bias`` of the window queries ``qs`` (in the keys' basis) over the host rows: ``[n_layer, Hq, w, m]``."""

@@ -79,7 +79,6 @@ class StateBackend(KVBackend):
                 bias=None if bias is None else bias[i],  # log(count) of merged rows, -inf for empty ones
                 vnorm=read.vnorm[i],  # CriticalKV fills in the ones it computes
                 groups=None if read.groups is None else read.groups[i],
-                factor=None if read.factor is None else read.factor[i],
             )
 
     def take_rows(self, read: CacheRead, l: int, cells: np.ndarray, heads: np.ndarray):

@@ -109,9 +109,6 @@ class LayerInputs:
         ``[Hkv, n]`` int: rows that are kept or dropped together share a group id (``-1``: a row on its
         own). A grouped row ranks with the best score of its group, so a group's rows come back as one
         span (the recall tier's pages of evicted rows, :mod:`kvlocal.recall`).
-    factor : np.ndarray, optional
-        ``[Hkv, n]`` float32 > 0: each row's attention score is multiplied by it before the method ranks the
-        rows (a recall re-selection weighs down the rows earlier ones brought back, :mod:`kvlocal.recall`).
     rows : RowSource, optional
         Where ``k`` is None: how the rows come to the host on demand (the native backend copies only the
         rows a scorer reads, e.g. the ones a merge combines).
@@ -134,7 +131,6 @@ class LayerInputs:
     vnorm: np.ndarray | None = None
     votes: np.ndarray | None = None
     groups: np.ndarray | None = None
-    factor: np.ndarray | None = None
     rows: "RowSource | None" = None
     wo_l2: np.ndarray | None = None
 
@@ -264,10 +260,9 @@ class LayerInputs:
             bias = np.zeros(cells.shape, np.float32) if self.bias is None else self.bias[heads, idx]
             bias = np.where(filled, bias, -np.inf).astype(np.float32)
         groups = None if self.groups is None else np.where(filled, self.groups[heads, idx], -1)
-        factor = None if self.factor is None else np.where(filled, self.factor[heads, idx], 1).astype(np.float32)
         return dataclasses.replace(
             self, **{"k": rows(self.k), "v": rows(self.v), **fetched}, pos=np.where(filled, self.pos_h[heads, idx], EMPTY),
-            bias=bias, votes=votes, groups=groups, factor=factor,
+            bias=bias, votes=votes, groups=groups,
             vnorm=None if self.vnorm is None else np.where(filled, self.vnorm[heads, idx], np.nan).astype(np.float32))
 
     def loaded(self) -> "LayerInputs":

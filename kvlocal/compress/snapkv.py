@@ -67,8 +67,6 @@ class SnapKV(Scorer):
                 pooled = kernels.pool1d(votes[g * group : (g + 1) * group, rows], self.kernel_size, self.pooling)
                 scores[g, rows] = pooled.mean(axis=0)  # [G, m] -> [m]
         scores[layer.protected(q_pos)] = np.inf
-        if layer.factor is not None:  # (the protected and empty rows keep their infinities)
-            np.multiply(scores, layer.factor, out=scores, where=np.isfinite(scores))
         return scores
 
     def keep(self, layer: LayerInputs, budget: int) -> np.ndarray:
@@ -83,7 +81,6 @@ def fused_keep(snap: SnapKV, layer: LayerInputs, budget: int, critical=None) -> 
     inputs the scorers refuse (their error), rows that stay on the device without votes."""
     grouped = layer.groups is not None and (layer.groups >= 0).any()
     if (not FUSED or type(snap) is not SnapKV or not native_scoring() or layer.q is None or grouped
-            or layer.factor is not None
             or (layer.k is None and layer.votes is None)
             or (critical is not None and not critical.has_norm_weights(layer) and layer.v is not None)):
         return None

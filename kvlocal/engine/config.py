@@ -213,11 +213,6 @@ RECALL_STEP_CONFIDENCE = 0.9
 # an answer step may swap only when it is this many steps past the last swap (the ones between keep their decode and
 # hold their query for it, as confident ones do); 1: any step may swap
 RECALL_STEP_EVERY = 1
-# at a question's re-selection, the device rows an earlier re-selection brought back from the tier (the facts earlier
-# questions and answers used, whole) score this times their attention, so that such a fact keeps its cells only where
-# the new question needs it about twice as much as what it displaces: of same-template facts, the one an earlier turn
-# made whole was the usual wrong answer (docs/recall.md § Similar facts; 1: no factor)
-RECALL_RETURNED = 0.5
 # the cells a question's re-selection leaves free for its answer: the rest of the context's headroom (the cells prefill
 # chunks fill) holds recalled rows while the answer's first tokens are written, then a compression returns to the
 # budget (docs/recall.md § Choices). 0 turns it off: a re-selection keeps the budget's rows

@@ -65,7 +65,7 @@ import numpy as np
 from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, norm_p
 from kvlocal.engine.cells import Cells
 from kvlocal.engine.compressor import Compressor
-from kvlocal.engine.config import DECODE_OBSERVE, OBSERVE_EVERY, PREFILL_OBSERVE, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_RETURNED, RECALL_ROOM, RECALL_STEP_EVERY, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_low_water, resolve_method_params, resolve_recall
+from kvlocal.engine.config import DECODE_OBSERVE, OBSERVE_EVERY, PREFILL_OBSERVE, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_ROOM, RECALL_STEP_EVERY, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_low_water, resolve_method_params, resolve_recall
 from kvlocal.engine.interrupts import interrupts_deferred
 from kvlocal.engine.observation import Observations, Rope
 from kvlocal.engine.observer import Observer
@@ -138,7 +138,6 @@ class Engine:
         recall_step_confidence: float = RECALL_STEP_CONFIDENCE,
         recall_step_every: int = RECALL_STEP_EVERY,
         recall_room: int = RECALL_ROOM,
-        recall_returned: float = RECALL_RETURNED,
         observe_every: int = OBSERVE_EVERY,
         method_params: dict | None = None,
         decode_observe: str = DECODE_OBSERVE,
@@ -215,9 +214,6 @@ class Engine:
                              f"recall_step_every {recall_step_every} >= 1")
         if recall_room < 0:
             raise UsageError(f"recall_room {recall_room} must be >= 0 (0: a re-selection keeps the budget's rows)")
-        if not 0 < recall_returned <= 1:
-            raise UsageError(f"recall_returned {recall_returned} must be in (0, 1] (1: the rows earlier questions "
-                             "brought back score as any other)")
         self.tier = HostTier(len(self.layers), m.n_head_kv, row_format(type_k, m.arch.head_dim_k),
                              row_format(type_v, m.arch.head_dim_v), m.arch.head_dim_k, TierMemory.of(recall_mem),
                              recall_dir) if recall else None
@@ -237,14 +233,12 @@ class Engine:
                                      after_apply=lambda rewrite, rows: after_apply(me, rewrite, rows))
         # tier rows scored exactly per head at a question, as a multiple of the budget (the best pages by bound); a
         # step's (× the budget); above the confidence a step keeps its decode unswapped, and so do the steps fewer than
-        # recall_step_every past the last swap; recall_room: cells a re-selection leaves for the answer; recall_returned:
-        # a question's factor on the scores of the rows earlier re-selections brought back
+        # recall_step_every past the last swap; recall_room: cells a re-selection leaves for the answer
         self.reselection = Reselection(self.tier, self.observer, self.compressor, self.stats, n_ctx=self.ctx.n_ctx,
                                        reserve=self._reserve(), candidates=float(recall_candidates),
                                        steps=int(recall_steps), step_candidates=float(recall_step_candidates),
                                        step_confidence=float(recall_step_confidence),
-                                       step_every=int(recall_step_every), room=int(recall_room), span=recall_span,
-                                       returned=float(recall_returned))
+                                       step_every=int(recall_step_every), room=int(recall_room), span=recall_span)
         # endless (a chat): past max_tokens the session goes on inside the same budget, and its positions
         # are moved back under the trained context whenever they would pass it
         self.endless = endless

@@ -25,13 +25,11 @@ class Reselection:
     (a probe's) that a re-selection may fill. The settings are :class:`~kvlocal.engine.Engine`'s ``recall_*``."""
 
     def __init__(self, tier, observer, compressor, stats, *, n_ctx: int, reserve: int, candidates: float, steps: int,
-                 step_candidates: float, step_confidence: float, step_every: int, room: int, span: str,
-                 returned: float):
+                 step_candidates: float, step_confidence: float, step_every: int, room: int, span: str):
         self.tier, self.observer, self.compressor, self.stats = tier, observer, compressor, stats
         self.n_ctx, self.reserve = n_ctx, reserve
         self.candidates, self.steps, self.step_candidates = candidates, steps, step_candidates
         self.step_confidence, self.step_every, self.room, self.span = step_confidence, step_every, room, span
-        self.returned = returned  # a question's factor on the rows earlier re-selections brought back
         self.answering = False  # the tokens generated now answer a question that re-selected the cache
         self.held: tuple[list[np.ndarray], np.ndarray] | None = None  # the queries of kept steps, for the next swap
 
@@ -43,7 +41,7 @@ class Reselection:
         back (0 when the tier holds nothing off the device)."""
         t0 = time.perf_counter()
         q, q_pos = self.observer.observe(probe, question=True)[:2]  # its queries: for its answer's decode-time events
-        moved = self.swap(q, q_pos, self.candidates, pending, returned=self.returned)
+        moved = self.swap(q, q_pos, self.candidates, pending)
         self.stats.recall_events += 1
         self.stats.recall_seconds += time.perf_counter() - t0
         return moved
@@ -80,13 +78,11 @@ class Reselection:
         self.stats.recall_step_seconds += time.perf_counter() - t0
         return False
 
-    def swap(self, q: list[np.ndarray], q_pos: np.ndarray, candidates: float, pending: int = 0,
-             returned: float = 1.0) -> int:
+    def swap(self, q: list[np.ndarray], q_pos: np.ndarray, candidates: float, pending: int = 0) -> int:
         """Score the device cells and the tier's best candidates (``candidates`` × the head budget of rows) for
         the observation ``q`` at ``q_pos`` together, and swap; returns the rows brought back. Each head keeps the
         rows the context has room for while the answer is written (:meth:`width`), ``pending``: tokens of the turn
-        still to come. ``returned``: the factor on the scores of the device rows an earlier swap brought back (a
-        new question's: an earlier turn's fact, whole, is the usual wrong answer among facts of one template)."""
+        still to come."""
         c = self.compressor
         w = observation_window(c.scorer) or len(q_pos)
         cands = choose_candidates(self.tier, [c.basis.queries(qi[:, -w:] * c.q_scale) for qi in q],
@@ -94,7 +90,7 @@ class Reselection:
         if cands.width == 0:
             return 0
         before = self.tier.rows_in
-        union, values = with_candidates(c.read(), self.tier, cands, c.kv, self.span, returned)
+        union, values = with_candidates(c.read(), self.tier, cands, c.kv, self.span)
         width = self.width(pending)
         plan = c.plan(union, q, q_pos, width)
         values(plan)  # the values of the tier rows it keeps

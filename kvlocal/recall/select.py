@@ -54,15 +54,13 @@ def choose_candidates(tier: HostTier, q: list[np.ndarray], n_rows: int) -> Candi
     return Candidates(ids, max((len(i) for layer in ids for i in layer), default=0))
 
 
-def with_candidates(read, tier: HostTier, cands: Candidates, backend, span: str = "row", returned: float = 1.0):
+def with_candidates(read, tier: HostTier, cands: Candidates, backend, span: str = "row"):
     """``read`` extended by ``backend`` (:meth:`~kvlocal.backends.KVBackend.extend`) with the candidates as
     ``cands.width`` more cells: per layer, head ``h``'s ``j``-th candidate sits in new cell ``j``, rows a
     head has no candidate for are empty (position -1, count 0). ``tier_ids`` says which rows came from
     the tier, by their numbers (``HeadStore.base + id``: a row keeps its number while older ones are dropped to
     make room for the rows this plan evicts). ``span="page"``: a tier page's rows rank together (its best row's
-    score), so a fact comes back whole or not at all; ``"row"``: each row on its own score. ``returned``: the factor
-    on the attention score of the device rows that came back from the tier at an earlier re-selection
-    (:func:`returned_rows`; 1: none).
+    score), so a fact comes back whole or not at all; ``"row"``: each row on its own score.
 
     Returns ``(union, values)``. The candidates' keys are all copied (the scorers read every one), their values
     only where the tier knows no value norm (a scorer computes it from them): call ``values(plan)`` before the plan
@@ -109,27 +107,12 @@ def with_candidates(read, tier: HostTier, cands: Candidates, backend, span: str 
         return np.concatenate([device, new], axis=2)
 
     device_ids = np.full(read.true.shape, -1, np.int64)
-    groups = factor = None
+    groups = None
     if span == "page":
         groups = join(device_ids, np.where(tier_ids >= 0, tier_ids // PAGE, -1))
-    if returned != 1:
-        factor = join(np.where(returned_rows(read.true, tier), np.float32(returned), np.float32(1)),
-                      np.ones(true.shape, np.float32))
     return dataclasses.replace(union, true=join(read.true, true), vnorm=join(read.vnorm, vnorm),
-                               count=join(read.count, count), groups=groups, factor=factor,
+                               count=join(read.count, count), groups=groups,
                                tier_ids=join(device_ids, tier_ids)), values
-
-
-def returned_rows(true: np.ndarray, tier: HostTier) -> np.ndarray:
-    """``[n_layer, Hkv, n]`` True for the device rows (true positions ``true``) that an earlier re-selection brought
-    back: the tier holds them too, flagged as on the device."""
-    out = np.zeros(true.shape, bool)
-    for l, layer in enumerate(tier.heads):
-        for h, s in enumerate(layer):
-            back = s.pos[:s.n][s.on_device[:s.n]]
-            if len(back):
-                out[l, h] = np.isin(true[l, h], back) & (true[l, h] >= 0)
-    return out
 
 
 def device_table(true: np.ndarray):

@@ -7,7 +7,6 @@ float differences between the C kernels and torch (~1e-7 relative) could only fl
 near-tie of two different scores, which these inputs do not have.
 """
 
-import dataclasses
 import json
 import os
 import re
@@ -203,24 +202,6 @@ def test_scores_match_reference():
     norms = projected_value_norms(layer.v, layer.wo, layer.n_head)
     want = ref.projected_value_norms(kv.v, obs.wo, layer.n_head).numpy()
     np.testing.assert_allclose(np.stack(norms), want, rtol=1e-5)
-
-
-def test_a_rows_factor_weighs_its_score_and_the_fused_keep_follows_it():
-    # a recall re-selection's factor on the rows earlier ones brought back (LayerInputs.factor)
-    layer, _, _ = make_case(seed=3)
-    plain = SnapKV().score(layer)
-    rng = np.random.default_rng(3)
-    factor = np.where(rng.random(plain.shape) < 0.3, 0.5, 1.0).astype(np.float32)
-    weighed = SnapKV().score(dataclasses.replace(layer, factor=factor))
-    finite = np.isfinite(plain)
-    np.testing.assert_array_equal(weighed[~finite], plain[~finite])  # the protected rows stay protected
-    np.testing.assert_allclose(weighed[finite], plain[finite] * factor[finite], rtol=1e-6)
-    budget = 40
-    for scorer in (SnapKV(), CriticalKV()):
-        before, after = scorer.keep(layer, budget), scorer.keep(dataclasses.replace(layer, factor=factor), budget)
-        for h in range(layer.n_kv):
-            down = factor[h] < 1
-            assert down[after[h]].sum() < down[before[h]].sum(), (type(scorer).__name__, h)  # fewer of them kept
 
 
 def test_floor_keeps_exactly_the_protected_cells():

@@ -88,38 +88,6 @@ def test_a_question_swaps_rows_with_the_tier_and_both_stay_consistent(tiny_llama
     assert len(list(eng.generate(8, stop_at_eog=False))) == 8
 
 
-@pytest.mark.parametrize("backend", ["state", "native"])
-def test_a_new_question_weighs_down_the_rows_an_earlier_one_brought_back(tiny_llama, backend):
-    # same-template facts: the one an earlier turn brought back whole was the usual wrong answer (docs/recall.md §
-    # Similar facts), so a question scores those rows recall_returned times their attention
-    tokens = tiny_llama.tokenize(sample_text())
-    kept, factors = {}, {}
-    for returned in (1.0, 0.5):
-        eng = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True,
-                     recall_returned=returned, backend=backend)
-        eng.prefill(tokens[:500], probe=tokens[500:516])
-        assert eng.reselect(tokens[600:620]) > 0
-        tier = eng.tier
-        back = [[set(s.pos[:s.n][s.on_device[:s.n]].tolist()) for s in layer] for layer in tier.heads]
-        plan = eng.compressor.plan
-        seen = []
-        eng.compressor.plan = lambda read, *a, **k: seen.append(read) or plan(read, *a, **k)
-        eng.reselect(tokens[700:720])  # another question
-        union = seen[0]
-        factors[returned] = union.factor
-        if union.factor is not None:  # 0.5 on exactly the device rows the tier flagged as back, 1 on the others
-            for l, layer in enumerate(back):
-                for h, rows in enumerate(layer):
-                    true, f = union.true[l, h], union.factor[l, h]  # (the candidates: tier_ids >= 0)
-                    want = np.array([t in rows for t in true]) & (union.tier_ids[l, h] < 0) & (true >= 0)
-                    assert want.any() and (f[want] == np.float32(0.5)).all() and (f[~want] == 1).all(), (l, h)
-        now = [[set(s.pos[:s.n][s.on_device[:s.n]].tolist()) for s in layer] for layer in tier.heads]
-        kept[returned] = sum(len(a & b) for la, lb in zip(back, now) for a, b in zip(la, lb))
-    assert factors[1.0] is None and factors[0.5] is not None
-    # the same chat, the same question: fewer of the rows the first question brought back stay for the second
-    assert kept[0.5] < kept[1.0]
-
-
 def test_an_answers_first_tokens_reselect_with_their_own_queries(tiny_llama):
     tokens = tiny_llama.tokenize(sample_text())
     eng = Engine(tiny_llama, 64, "criticalkv", max_tokens=1000, chunk=32, recent=16, recall=True, recall_steps=5,
@@ -420,9 +388,6 @@ def test_recall_refusals_and_defaults(tiny_llama):
     assert Engine(tiny_llama, 64, "kvslimmer", max_tokens=500, recall=None).tier is None  # auto: off for merging
     assert Engine(tiny_llama, 64, "criticalkv", max_tokens=500, recall=None).tier is not None
     assert Engine(tiny_llama, 64, "full", max_tokens=500, recall=True).tier is None  # nothing is evicted
-    for bad in (0, 1.5):
-        with pytest.raises(UsageError, match="recall_returned"):
-            Engine(tiny_llama, 64, "criticalkv", max_tokens=500, recall=True, recall_returned=bad)
 
 
 def test_cli_bad_recall_settings_are_one_line(smollm2, tmp_path):
