@@ -13,6 +13,15 @@ Each try changes the engine for this process only (the package is not edited):
   attention bias ``alpha * log(document tokens / the head's document rows on the device)``, so that the document
   keeps its full-cache share of attention against the chat's history (which a tenth of the document on the device
   lets grow);
+- ``newcomers``: at a question's re-selection, the device rows that an earlier re-selection brought back from the tier
+  (the facts earlier questions and answers used, whole) score ``--factor`` times their attention, so that such a fact
+  keeps its cells only where the new question needs it more than what it displaces (commit 703e743 built it into the
+  engine, ``Engine(recall_returned=)``; this is the same scoring, the numpy path);
+- ``layer-budgets``: the layers before ``--from`` keep ``--early-share`` of the budget ``kvlocal eval`` is given,
+  the ones from it on ``--late-share`` (every event, swap and answer step): what a cache sized per layer would hold (llama.cpp's
+  cells are the same for every layer, so the early layers' other cells stay empty here and the bytes are the
+  budget's) — at ``--budgets 0.15 --from 13 --early-share 0.33`` on Qwen2.5-Coder-0.5B the rows held are 0.096 of
+  the document's, a tenth;
 - ``engine``: any of :class:`~kvlocal.engine.Engine`'s keywords, as JSON (``--set '{"recall_step_confidence": 1}'``:
   every one of an answer's first steps swaps).
 """
@@ -70,6 +79,55 @@ def document_mass(alpha: float) -> None:
     Engine.append = appended
 
 
+def newcomers(factor: float) -> None:
+    import kvlocal.compress.snapkv as snapkv
+    import kvlocal.recall.reselect as reselect
+
+    snapkv.FUSED = False  # every score passes through SnapKV.score (the fused kernel keeps the same rows)
+    score, question = snapkv.SnapKV.score, reselect.Reselection.question
+    asking = []  # the tier of the question being re-selected for, while it is
+
+    def weighed(self, layer):
+        s = score(self, layer)
+        for tier in asking:
+            for h, store in enumerate(tier.heads[layer.layer]):  # (every layer is compressed in these models)
+                back = store.pos[:store.n][store.on_device[:store.n]]
+                earlier = np.isin(layer.pos_h[h], back) & np.isfinite(s[h])
+                s[h, earlier] *= np.float32(factor)
+        return s
+
+    def asked(self, probe, pending):
+        asking.append(self.tier)
+        try:
+            return question(self, probe, pending)
+        finally:
+            asking.pop()
+
+    snapkv.SnapKV.score = weighed
+    reselect.Reselection.question = asked
+
+
+def layer_budgets(first: int, early: float, late: float) -> None:
+    import kvlocal.compress.base as base
+
+    plan_layers = base.plan_layers
+
+    def planned(scorer, layers, budget, workers=1):
+        plan_layer = scorer.plan_layer
+
+        class Layered:  # the scorer, with the early layers' budget scaled
+            def __getattr__(self, name):
+                return getattr(scorer, name)
+
+            def plan_layer(self, layer, b):
+                return plan_layer(layer, max(1, int(b * (late if layer.layer >= first else early))))
+
+        return plan_layers(Layered(), layers, budget, workers)
+
+    import kvlocal.engine.compressor as compressor
+    compressor.plan_layers = planned
+
+
 def engine_keywords(values: dict) -> None:
     init = Engine.__init__
 
@@ -80,21 +138,30 @@ def engine_keywords(values: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.recall_tries", description=__doc__.split("\n\n")[0])
-    p.add_argument("try_", metavar="TRY", choices=("two-probes", "document-mass", "engine"))
+    p = argparse.ArgumentParser(prog="python -m tools.recall_tries", description=__doc__.split("\n\n")[0],
+                                usage="%(prog)s TRY [options] -- kvlocal eval's arguments")
+    p.add_argument("try_", metavar="TRY", choices=("two-probes", "document-mass", "newcomers", "layer-budgets", "engine"))
     p.add_argument("--alpha", type=float, default=1.0, help="document-mass: the bias's factor (default 1)")
+    p.add_argument("--factor", type=float, default=0.5, help="newcomers: the earlier rows' factor (default 0.5)")
+    p.add_argument("--from", dest="first", type=int, default=13, help="layer-budgets: the first later layer (13)")
+    p.add_argument("--early-share", type=float, default=0.33, help="layer-budgets: the earlier layers' share of it")
+    p.add_argument("--late-share", type=float, default=1.0, help="layer-budgets: the later layers' share of it")
     p.add_argument("--set", default="{}", help="engine: Engine keywords as JSON")
-    p.add_argument("eval_args", nargs=argparse.REMAINDER, help="-- then kvlocal eval's arguments")
-    args = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)  # (a REMAINDER positional would take the try's options)
+    args, rest = p.parse_args(argv[:cut]), argv[cut + 1:]
     if args.try_ == "two-probes":
         two_probes()
     elif args.try_ == "document-mass":
         document_mass(args.alpha)
+    elif args.try_ == "newcomers":
+        newcomers(args.factor)
+    elif args.try_ == "layer-budgets":
+        layer_budgets(args.first, args.early_share, args.late_share)
     else:
         engine_keywords(json.loads(args.set))
     from kvlocal.cli import main as kvlocal_main
 
-    rest = args.eval_args[1:] if args.eval_args[:1] == ["--"] else args.eval_args
     return kvlocal_main(["eval", *rest])
 
 

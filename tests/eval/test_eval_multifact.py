@@ -176,3 +176,17 @@ def test_freeform_loops_counts_a_tail_of_one_repeated_span_only():
     assert not loops(span * 5, 48)  # 40 tokens: shorter than the tail
     assert not loops(list(range(30)) + [7] * 20 + list(range(30)), 48)  # a repeat that ended
     assert not loops(list(range(100, 124)) * 4, 48)  # a span of 24 repeated to the end: over 16
+
+
+def test_recall_tries_gives_its_options_to_the_try_and_the_rest_to_kvlocal_eval(monkeypatch):
+    """tools/recall_tries.py: the try's own options stand before ``--``, kvlocal eval's after it (an argparse
+    remainder took the try's options for eval's)."""
+    import kvlocal.cli
+    import tools.recall_tries as tries
+
+    monkeypatch.setattr(tries.Engine, "__init__", tries.Engine.__init__)  # the try patches it: put back after
+    got = {}
+    monkeypatch.setattr(kvlocal.cli, "main", lambda argv: got.setdefault("argv", argv) and 0)
+    monkeypatch.setattr(tries, "engine_keywords", lambda values: got.setdefault("set", values))
+    assert tries.main(["engine", "--set", '{"recall_steps": 4}', "--", "m", "--seed", "1", "--out", "x"]) == 0
+    assert got == {"set": {"recall_steps": 4}, "argv": ["eval", "m", "--seed", "1", "--out", "x"]}
