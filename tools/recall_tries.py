@@ -18,8 +18,8 @@ Each try changes the engine for this process only (the package is not edited):
   keeps its cells only where the new question needs it more than what it displaces (commit 703e743 built it into the
   engine, ``Engine(recall_returned=)``; this is the same scoring, the numpy path);
 - ``layer-budgets``: the layers before ``--from`` keep ``--early-share`` of the budget ``kvlocal eval`` is given,
-  the ones from it on ``--late-share`` (every event, swap and answer step): what a cache sized per layer would hold (llama.cpp's
-  cells are the same for every layer, so the early layers' other cells stay empty here and the bytes are the
+  the ones from it on ``--late-share`` (every event, swap and answer step): what a cache sized per layer would hold
+  (llama.cpp's cells are the same for every layer, so the other cells stay empty here and the bytes are the
   budget's) — at ``--budgets 0.15 --from 13 --early-share 0.33`` on Qwen2.5-Coder-0.5B the rows held are 0.096 of
   the document's, a tenth;
 - ``engine``: any of :class:`~kvlocal.engine.Engine`'s keywords, as JSON (``--set '{"recall_step_confidence": 1}'``:
@@ -108,23 +108,20 @@ def newcomers(factor: float) -> None:
 
 
 def layer_budgets(first: int, early: float, late: float) -> None:
-    import kvlocal.compress.base as base
+    import kvlocal.engine.compressor as compressor
 
-    plan_layers = base.plan_layers
+    plan_layers = compressor.plan_layers
 
     def planned(scorer, layers, budget, workers=1):
-        plan_layer = scorer.plan_layer
-
-        class Layered:  # the scorer, with the early layers' budget scaled
+        class Layered:  # the scorer, each layer's budget scaled by its share
             def __getattr__(self, name):
                 return getattr(scorer, name)
 
             def plan_layer(self, layer, b):
-                return plan_layer(layer, max(1, int(b * (late if layer.layer >= first else early))))
+                return scorer.plan_layer(layer, max(1, int(b * (late if layer.layer >= first else early))))
 
         return plan_layers(Layered(), layers, budget, workers)
 
-    import kvlocal.engine.compressor as compressor
     compressor.plan_layers = planned
 
 
@@ -140,7 +137,8 @@ def engine_keywords(values: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.recall_tries", description=__doc__.split("\n\n")[0],
                                 usage="%(prog)s TRY [options] -- kvlocal eval's arguments")
-    p.add_argument("try_", metavar="TRY", choices=("two-probes", "document-mass", "newcomers", "layer-budgets", "engine"))
+    p.add_argument("try_", metavar="TRY",
+                   choices=("two-probes", "document-mass", "newcomers", "layer-budgets", "engine"))
     p.add_argument("--alpha", type=float, default=1.0, help="document-mass: the bias's factor (default 1)")
     p.add_argument("--factor", type=float, default=0.5, help="newcomers: the earlier rows' factor (default 0.5)")
     p.add_argument("--from", dest="first", type=int, default=13, help="layer-budgets: the first later layer (13)")

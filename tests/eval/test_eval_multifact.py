@@ -184,7 +184,6 @@ def test_recall_tries_gives_its_options_to_the_try_and_the_rest_to_kvlocal_eval(
     import kvlocal.cli
     import tools.recall_tries as tries
 
-    monkeypatch.setattr(tries.Engine, "__init__", tries.Engine.__init__)  # the try patches it: put back after
     got = {}
     monkeypatch.setattr(kvlocal.cli, "main", lambda argv: got.setdefault("argv", argv) and 0)
     monkeypatch.setattr(tries, "engine_keywords", lambda values: got.setdefault("set", values))
