@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvlocal.engine.config import (LOW_WATER, OBSERVE_EVERY, PREFILL_OBSERVATIONS, PREFILL_OBSERVE, RECALL_STEPS,
-                                   Budget, check_low_water, check_prefill_observe)
+                                   Budget, check_low_water, check_prefill_observe, check_read_cells)
 from kvlocal.errors import SettingError, UsageError
 
 
@@ -71,6 +71,17 @@ def _value_norms() -> list[str]:
     from kvlocal.compress import VALUE_NORMS
 
     return list(VALUE_NORMS)
+
+
+def read_cells_flag(value: str) -> int | str | None:
+    """``--read-cells``: a number of cells, ``whole`` (None: no cap) or ``auto``."""
+    word = value.strip().lower()
+    if word in ("whole", "auto"):
+        return None if word == "whole" else word
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: give a number of cells, whole or auto") from None
 
 
 def _loop_guard() -> int:
@@ -155,6 +166,14 @@ class ChatSettings:
                                         "--observe-every events), window = the queries of the chunk's own last "
                                         "tokens, no decode: cheaper, and it finds fewer facts (default %(default)s; "
                                         "docs/engine.md)")
+    read_cells: int | str | None = setting("auto", flags=("--read-cells",), section="budget", type=read_cells_flag,
+                                           metavar="N|whole|auto",
+                                           help="read a turn longer than the free cells (a document) in a context of "
+                                                "up to N cells in host memory, then compress it once: every row is "
+                                                "computed over all the text before it, not over what earlier "
+                                                "compressions left (whole: no cap; 0: in the budget's context, chunk "
+                                                "by chunk; default auto: with the recall tier, as many cells as "
+                                                "--recall-mem holds, else 0; docs/recall.md)")
     loop_guard: int = setting(factory=lambda: _loop_guard(), flags=("--loop-guard",), type=int, metavar="N",
                               help=lambda: f"end a reply once its last N tokens are one span repeated over and over "
                                            f"(default {_loop_guard()}; 0: off)")
@@ -183,6 +202,7 @@ class ChatSettings:
                     type_v=cache_type(self.cache_type_v), backend=self.backend, recall=self.recall,
                     recall_mem=self.recall_mem, recall_dir=self.recall_dir, recall_steps=self.recall_steps,
                     observe_every=self.observe_every, low_water=self.low_water, prefill_observe=self.prefill_observe,
+                    read_cells=self.read_cells,
                     method_params={"value_norm": self.value_norm} if norm else None)
 
 
@@ -227,6 +247,7 @@ def _normalized(s: ChatSettings) -> dict:
         except UsageError as e:
             raise SettingError(str(e), name) from None
     check_prefill_observe(s.prefill_observe)
+    check_read_cells(s.read_cells)
     try:
         LoopGuard(s.loop_guard)
     except ValueError as e:

@@ -27,9 +27,11 @@ def test_every_flag_sets_its_field():
     """A flag given on the command line reaches its field, converted as the field declares (on/off → a bool)."""
     args = build_parser().parse_args(["chat", "--budget", "256", "--recall", "off", "--pin-system", "off", "-c", "4096",
                                       "-ngl", "-1", "-t", "3", "--rpc", "10.0.0.2:50052,10.0.0.3:50052",
-                                      "--tensor-split", "3,1", "--window", "16"])
+                                      "--tensor-split", "3,1", "--window", "16", "--read-cells", "whole"])
     s, r = chat_settings_from_args(args), runtime_settings_from_args(args)
     assert (s.budget, s.recall, s.pin_system, s.ctx_size, s.recent) == ("256", False, False, 4096, 16)
+    assert s.read_cells is None and s.engine_keywords()["read_cells"] is None  # whole: no cap
+    assert chat_settings_from_args(build_parser().parse_args(["chat", "--read-cells", "8192"])).read_cells == 8192
     assert (r.n_gpu_layers, r.n_threads, r.rpc, r.tensor_split) == (-1, 3, ("10.0.0.2:50052", "10.0.0.3:50052"),
                                                                     (3.0, 1.0))
     assert r.model_keywords() == {"n_gpu_layers": -1, "rpc": r.rpc, "tensor_split": r.tensor_split}
@@ -53,6 +55,7 @@ def test_settings_that_mean_the_same_are_equal_and_a_request_replaces_fields():
     (lambda: ChatSettings(ctx_size=-1), "ctx_size", "-c/--ctx-size"),
     (lambda: ChatSettings(recall=False, recall_dir="/tmp"), "recall_dir", "--recall-dir"),
     (lambda: ChatSettings(method="meanmerge", recall=True), "recall", "--recall"),
+    (lambda: ChatSettings(read_cells=-1), "read_cells", "--read-cells"),
     (lambda: RuntimeSettings(n_threads=0), "n_threads", "-t/--threads"),
     (lambda: RuntimeSettings(rpc="no-port"), "rpc", "--rpc"),
 ])

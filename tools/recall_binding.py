@@ -19,6 +19,10 @@ at ``--budget``. For every question:
   same token at the same position: what differs is the cache they were computed over), and the share of the full
   cache's attention to the document that went to rows the recall run did not hold.
 
+Before the questions, **the reading**: per layer, the cosine between the keys (and values) of the document's rows the
+recall run holds after reading it and the full cache's rows of the same tokens, by quarter of the document — the rows
+read after a compression event were computed over the cells it left, and drift (docs/recall.md § Similar facts).
+
 Then the means over the questions answered, confused (another fact's value) and missed. The keys are read and the
 attention computed in numpy: 1-3 minutes for a twelve-question chat at 2K tokens on 2 cores (Qwen2.5-Coder-0.5B).
 """
@@ -268,6 +272,12 @@ def run(args) -> list[tuple[Turn, Fact, list[Fact], int]]:
     for s in sessions:
         s.ask(item.document + "\n\nRead this text; I will ask you about it.", max_tokens=8)
     facts, doc_end = fact_positions(model, sessions[0].t.fed_text, item.facts)
+    drift = reading_drift(full, comp, doc_end)
+    print(f"the document read: {comp.stats.compression_events} compression events; the cosine of the recall run's "
+          f"rows held with the full cache's, by quarter of the document (layers 0, 4, 8, ...):")
+    for t, name in enumerate(("keys", "values")):
+        for i in range(0, drift.shape[1], 4):
+            print(f"  {name} layer {i:2}: " + " ".join(f"{c:.3f}" for c in drift[t, i]))
     order = {value: i for i, (_, value, _) in enumerate(item.facts)}
     now = [0, [], set(), None]
     watch(comp, facts, doc_end, now)
@@ -340,6 +350,26 @@ def lost_by_layer(turn: Turn, doc_end: int) -> np.ndarray | None:
         total = (att * doc).sum()
         out.append((att * doc * ~held).sum() / total if total > 0 else np.nan)
     return np.array(out)
+
+
+def reading_drift(full: Engine, comp: Engine, doc_end: int, parts: int = 4) -> np.ndarray:
+    """[2, n_layer, parts]: per layer, the mean cosine between the recall run's keys (0) and values (1) of the
+    document's rows it holds after the reading and the full cache's of the same positions, by ``parts`` of the
+    document (the rows of a part read after a compression event were computed over the cache it left)."""
+    a, b = full.compressor.read(), comp.compressor.read()
+    out = np.full((2, len(b.true), parts), np.nan)
+    for i in range(len(b.true)):
+        where = {int(p): c for c, p in enumerate(a.true[i][0]) if p >= 0}  # (the full cache: every head alike)
+        for t, (xa, xb) in enumerate(((a.kv.k[i], b.kv.k[i]), (a.kv.v[i], b.kv.v[i]))):
+            cos = [[] for _ in range(parts)]
+            for h, row in enumerate(b.true[i]):
+                for c, p in enumerate(row):
+                    if 0 <= p < doc_end and int(p) in where:
+                        u, v = xa[where[int(p)], h].astype(np.float32), xb[c, h].astype(np.float32)
+                        cos[min(parts - 1, p * parts // doc_end)].append(
+                            u @ v / (np.linalg.norm(u) * np.linalg.norm(v) + 1e-9))
+            out[t, i] = [np.mean(x) if x else np.nan for x in cos]
+    return out
 
 
 def query_cosines(turn: Turn) -> np.ndarray:

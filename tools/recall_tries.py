@@ -22,6 +22,15 @@ Each try changes the engine for this process only (the package is not edited):
   (llama.cpp's cells are the same for every layer, so the other cells stay empty here and the bytes are the
   budget's) — at ``--budgets 0.15 --from 13 --early-share 0.33`` on Qwen2.5-Coder-0.5B the rows held are 0.096 of
   the document's, a tenth;
+- ``retrieval-layers``: the layers ``--layers`` (Qwen2.5-Coder-0.5B's retrieval heads sit in 15, 16, 17, 19, 20) hold
+  every row they have read, exactly as the full cache does, and the others the budget's — the upper bound of an
+  answer whose retrieval heads read the tier's rows on the host. The context gets ``--extra`` cells more for those
+  layers' rows; the re-selections still size the other layers' rows by the budget's context. The extra cells
+  also change when the document's compression events fall (it is read in one chunk and one event), so its control
+  is the same try with ``--layers none`` — which answered as well (11 of 12 on seed 1, against 8): the control, not
+  the layers, found the cause. ``--phase document`` lets only the document's reading fill the extra cells (the chat
+  then runs in the budget's cells: 11, 12, 12 of 12 on the development seeds), ``--phase questions`` only the later
+  turns (8 of 12, as without the try): what ``Engine(read_cells=)`` then built (docs/recall.md § Similar facts);
 - ``engine``: any of :class:`~kvlocal.engine.Engine`'s keywords, as JSON (``--set '{"recall_step_confidence": 1}'``:
   every one of an answer's first steps swaps).
 """
@@ -125,6 +134,43 @@ def layer_budgets(first: int, early: float, late: float) -> None:
     compressor.plan_layers = planned
 
 
+def retrieval_layers(layers: set[int], extra: int, phase: str = "all") -> None:
+    import kvlocal.engine.compressor as compressor
+
+    context, init, plan_layers = engine_module.Context, Engine.__init__, compressor.plan_layers
+    free, append = Engine._free_cells, Engine.append
+
+    def free_cells(self):  # the extra cells are filled only in ``phase``
+        asked = getattr(self, "_asked", False)
+        return free(self) - (extra if phase == ("document" if asked else "questions") else 0)
+
+    def appended(self, tokens, probe=None, progress=None, question=False, reselect_after=False):
+        try:  # the document is the first turn (``kvlocal eval``'s chats ask it as a question)
+            return append(self, tokens, probe, progress, question, reselect_after)
+        finally:
+            self._asked = True
+
+    def wider(model, n_ctx, **kw):
+        return context(model, n_ctx=n_ctx + extra, **kw)
+
+    def with_extra(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.reselection.n_ctx -= extra  # the other layers' re-selected rows: the budget's context's
+
+    def planned(scorer, inputs, budget, workers=1):
+        class Whole:  # the scorer, the layers in ``layers`` keeping every row
+            def __getattr__(self, name):
+                return getattr(scorer, name)
+
+            def plan_layer(self, layer, b):
+                return scorer.plan_layer(layer, 1 << 30 if layer.layer in layers else b)
+
+        return plan_layers(Whole(), inputs, budget, workers)
+
+    engine_module.Context, Engine.__init__, compressor.plan_layers = wider, with_extra, planned
+    Engine._free_cells, Engine.append = free_cells, appended
+
+
 def engine_keywords(values: dict) -> None:
     init = Engine.__init__
 
@@ -138,12 +184,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.recall_tries", description=__doc__.split("\n\n")[0],
                                 usage="%(prog)s TRY [options] -- kvlocal eval's arguments")
     p.add_argument("try_", metavar="TRY",
-                   choices=("two-probes", "document-mass", "newcomers", "layer-budgets", "engine"))
+                   choices=("two-probes", "document-mass", "newcomers", "layer-budgets", "retrieval-layers", "engine"))
     p.add_argument("--alpha", type=float, default=1.0, help="document-mass: the bias's factor (default 1)")
     p.add_argument("--factor", type=float, default=0.5, help="newcomers: the earlier rows' factor (default 0.5)")
     p.add_argument("--from", dest="first", type=int, default=13, help="layer-budgets: the first later layer (13)")
     p.add_argument("--early-share", type=float, default=0.33, help="layer-budgets: the earlier layers' share of it")
     p.add_argument("--late-share", type=float, default=1.0, help="layer-budgets: the later layers' share of it")
+    p.add_argument("--layers", default="15,16,17,19,20",
+                   help="retrieval-layers: the layers that hold every row, comma-separated, or none")
+    p.add_argument("--extra", type=int, default=4096, help="retrieval-layers: the cells added for their rows")
+    p.add_argument("--phase", choices=("all", "document", "questions"), default="all",
+                   help="retrieval-layers: when the extra cells may be filled (all: the chat's whole length)")
     p.add_argument("--set", default="{}", help="engine: Engine keywords as JSON")
     argv = sys.argv[1:] if argv is None else list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)  # (a REMAINDER positional would take the try's options)
@@ -156,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         newcomers(args.factor)
     elif args.try_ == "layer-budgets":
         layer_budgets(args.first, args.early_share, args.late_share)
+    elif args.try_ == "retrieval-layers":
+        if args.layers != "none" and args.phase != "all":
+            p.error("--layers other than none need the extra cells the whole chat long (--phase all): the rows they "
+                    "hold fill them")
+        retrieval_layers(set() if args.layers == "none" else {int(x) for x in args.layers.split(",")}, args.extra, args.phase)
     else:
         engine_keywords(json.loads(args.set))
     from kvlocal.cli import main as kvlocal_main

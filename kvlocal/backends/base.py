@@ -187,6 +187,11 @@ class KVBackend:
         raise NotImplementedError
 
     # -- the cells ----------------------------------------------------------------------------------
+    def use(self, ctx) -> None:
+        """Read and write ``ctx``'s cells from now on (a turn read whole in a reading context, then the cells moved
+        back: :mod:`kvlocal.engine.reading`). The record follows the cells: it is matched by cell position."""
+        self.ctx = ctx
+
     def positions(self) -> np.ndarray:
         """The positions of sequence 0's cells, in cell order (the patched runtime's listing, or the
         state's header)."""

@@ -30,6 +30,12 @@ class StateBackend(KVBackend):
             in_place = os.environ.get(STATE_IO_ENV) != "blob"
         self.view = HostView.open(ctx, len(self.layers), n_head_kv, (arch.head_dim_k, arch.head_dim_v)) if in_place else None
 
+    def use(self, ctx) -> None:
+        super().use(ctx)
+        if self.view is not None:  # (a context like the first: its cache is in host memory too)
+            arch = ctx.model.arch
+            self.view = HostView.open(ctx, len(self.layers), self.n_head_kv, (arch.head_dim_k, arch.head_dim_v))
+
     @property
     def in_place(self) -> bool:
         """Whether events read and write the cache where it lies (else through the state blob)."""

@@ -35,7 +35,7 @@ from kvlocal.engine.config import check_low_water, resolve_method_params
 from kvlocal.errors import UsageError
 from kvlocal.backends import resolve_backend
 from kvlocal.runtime import CACHE_TYPES, Model, cache_type
-from kvlocal.settings import add_setting_args, runtime_settings_from_args
+from kvlocal.settings import add_setting_args, read_cells_flag, runtime_settings_from_args
 
 
 RECALL = {"off": False, "on": True, "auto": None}  # --recall → Engine(recall=)
@@ -90,6 +90,11 @@ def measure(model: Model, tokens: list[int], method: str, budget: str, n_decode:
     return s
 
 
+def read_label(cells: int | None) -> str:
+    """A ``--read-cells`` value as the tables print it."""
+    return "whole" if cells is None else f"{cells:,}"
+
+
 def default_backends() -> list[str]:
     """native and state where the runtime has both, else state."""
     try:
@@ -110,6 +115,7 @@ MODE_OPTIONS = {
     "--chunks": ("--overhead",),
     "--observe-every": ("--overhead",),
     "--low-waters": ("--overhead",),
+    "--read-cells": ("--overhead",),
     "--probes": ("--overhead",),
     "--prefill-observe": ("--overhead",),
     "--value-norms": ("--overhead",),
@@ -236,22 +242,23 @@ def run_overhead(args, model: Model) -> int:
     probe) × ``--backends`` (default: the one ``auto`` picks), against the full cache."""
     long = long_text(model, args.long)
     grid = itertools.product(args.backends or ["auto"], args.chunks, args.low_waters, args.prefill_observe or [None],
-                             args.observe_every, args.value_norms or [None], args.probes)
+                             args.observe_every, args.value_norms or [None], args.probes, args.read_cells)
     # a window-observed prompt decodes no probe to spread over events: one row, whatever --observe-every
-    grid = list(dict.fromkeys((b, c, lw, obs, None if obs == "window" else every, norm, probe)
-                              for b, c, lw, obs, every, norm, probe in grid))
+    grid = list(dict.fromkeys((b, c, lw, obs, None if obs == "window" else every, norm, probe, read)
+                              for b, c, lw, obs, every, norm, probe, read in grid))
     print(f"[1/{1 + len(grid)}] full cache, {len(long)}-token prompt + {args.decode} decoded", file=sys.stderr, flush=True)
     full = measure(model, long, "full", "1", args.decode, args.threads)
     rows = []
-    for i, (backend, chunk, low, obs, every, norm, probe) in enumerate(grid, 2):
+    for i, (backend, chunk, low, obs, every, norm, probe, read) in enumerate(grid, 2):
         observe = "observed by each chunk's window" if every is None else f"observe every {every}"
         print(f"[{i}/{1 + len(grid)}] {args.method} {args.budget} ({backend} backend), chunk {chunk}, "
               f"low water {low or 'default'}, {observe}" + (f", {norm} value norms" if norm else "")
-              + f", {probe} probe", file=sys.stderr, flush=True)
+              + f", {probe} probe" + (f", read in {read_label(read)} cells" if read != 0 else ""),
+              file=sys.stderr, flush=True)
         params = {"value_norm": norm} if norm else None
         r = measure(model, long, args.method, args.budget, args.decode, args.threads, backend, chunk=chunk,
                     recall=recall_of(args), low_water=low, observe_every=every or 1, method_params=params,
-                    prefill_observe=obs or PREFILL_OBSERVE, probe=probe)
+                    prefill_observe=obs or PREFILL_OBSERVE, probe=probe, read_cells=read)
         rows.append(dict(chunk=chunk, low_water=r["low_water"], recall=r["recall"],
                          host_tier_bytes=r["host_tier_bytes"], prefill_observe=r["prefill_observe"],
                          observe_every=None if r["prefill_observe"] == "window" else every,
@@ -261,7 +268,8 @@ def run_overhead(args, model: Model) -> int:
                          moved=r["observations_moved"], windows=r["observations_window"],
                          compression_seconds=r["compression_seconds"], reselect_seconds=r["recall_seconds"],
                          share=r["compression_seconds"] / r["prefill_seconds"], breakdown=r["compression_breakdown"],
-                         backend=r["backend"], probe=probe, probe_tokens=r["probe_tokens"]))
+                         backend=r["backend"], probe=probe, probe_tokens=r["probe_tokens"], read_cells=read,
+                         reading_bytes=r["reading_bytes_peak"]))
     if _json_or_title(args, model, "overhead", [dict(full=True, kv_bytes=full["kv_bytes_allocated"],
                                                      ttft=full["ttft_seconds"], decode_tok_s=full["decode_tok_s"]),
                                                 *rows], f"{len(long):,}-token prompt, {args.decode} decoded"):
@@ -270,12 +278,13 @@ def run_overhead(args, model: Model) -> int:
     print(f"full cache: {full['kv_bytes_allocated'] / mib:.1f} MiB, TTFT {full['ttft_seconds']:.1f} s, "
           f"decode {full['decode_tok_s']:.1f} tok/s; recall tier in the compressed runs: "
           + ("on" if rows[0]["recall"] else "off"))
-    print(f"{'backend':>8} {'probe':>8} {'chunk':>6} {'low':>5} {'observe':>8} {'norm':>5} {'n_ctx':>6} {'KV vs full':>10} {'TTFT vs full':>12} {'decode vs full':>14} "
+    print(f"{'backend':>8} {'probe':>8} {'chunk':>6} {'low':>5} {'observe':>8} {'norm':>5} {'read':>6} {'n_ctx':>6} {'KV vs full':>10} {'read vs full':>12} {'TTFT vs full':>12} {'decode vs full':>14} "
           f"{'events':>7} {'decoded':>8} {'share':>7} {'observe s':>10} {'score s':>8} {'apply s':>8}   target: share <= 5%")
     for r in rows:
         b = r["breakdown"]
         observe = "window" if r["observe_every"] is None else r["observe_every"]
-        print(f"{r['backend']:>8} {r['probe']:>8} {r['chunk']:>6} {r['low_water']:>5g} {observe:>8} {r['value_norm'] or '-':>5} {r['n_ctx']:>6,} {r['kv_bytes'] / full['kv_bytes_allocated']:>9.3f}x "
+        print(f"{r['backend']:>8} {r['probe']:>8} {r['chunk']:>6} {r['low_water']:>5g} {observe:>8} {r['value_norm'] or '-':>5} {read_label(r['read_cells']):>6} {r['n_ctx']:>6,} {r['kv_bytes'] / full['kv_bytes_allocated']:>9.3f}x "
+              f"{r['reading_bytes'] / full['kv_bytes_allocated']:>11.3f}x "
               f"{r['ttft'] / full['ttft_seconds']:>11.2f}x {r['decode_tok_s'] / full['decode_tok_s']:>13.2f}x "
               f"{r['events']:>7} {r['events'] - r['moved'] - r['windows']:>8} {100 * r['share']:>6.1f}% {b.get('observe', 0):>10.2f} "
               f"{b.get('score', 0) + b.get('read', 0):>8.2f} {b.get('apply', 0):>8.2f}")
@@ -283,7 +292,9 @@ def run_overhead(args, model: Model) -> int:
           "document (--probes); low: the share of the budget a prompt's events leave before its last (--low-waters); "
           "decoded: events whose probe was decoded (the others were scored by its queries moved by RoPE, or by their "
           "chunk's window); observe: --observe-every, or window: each event but the prompt's last scored by its "
-          "chunk's own last tokens (--prefill-observe window); score s includes reading the cells")
+          "chunk's own last tokens (--prefill-observe window); score s includes reading the cells; read: the cells a "
+          "long prompt may be read in before one compression (--read-cells; 0: the budget's context), read vs full: "
+          "the host memory that reading context held")
     return 0
 
 
@@ -480,6 +491,10 @@ def add_arguments(p) -> None:
                    help=f"with --overhead: the share of the budget a prompt's compression events leave before its last "
                         f"one (Engine(low_water=); fewer, larger events in the same cells; default: the engine's, "
                         f"{LOW_WATER} with a recall tier and 1 without, which this bench runs)")
+    p.add_argument("--read-cells", type=read_cells_flag, nargs="+", default=[0], metavar="N|whole",
+                   help="with --overhead: the cells a prompt longer than the free cells may be read in, on the host, "
+                        "before one compression (Engine(read_cells=); whole: no cap; default 0: read in the "
+                        "budget's context)")
     p.add_argument("--observe-every", type=int, nargs="+", default=[1, 4], metavar="N",
                    help="with --overhead: events one probe decode scores (default 1 4)")
     p.add_argument("--probes", nargs="+", choices=["question", "generic"], default=["question"], metavar="PROBE",

@@ -100,6 +100,9 @@ class EngineStats:
     # on a GPU, across PCIe), the tier's rows before positions move; 0 where the tier holds what its events evicted
     rollback_bytes: int = 0
     rollback_copies: int = 0  # how many such copies
+    reading_contexts: int = 0  # turns read whole in a reading context (Engine(read_cells=): kvlocal.engine.reading)
+    reading_bytes_peak: int = 0  # the largest one's K/V bytes (host memory; 0 on a stock runtime, which reports none)
+    reading_refused: int = 0  # turns read in the budget's context instead: llama.cpp could not allocate the reading one
 
     @property
     def tokens_seen(self) -> int:
@@ -182,6 +185,26 @@ def resolve_low_water(low_water: float | None, recall: bool) -> float:
         return LOW_WATER if recall else 1.0
     check_low_water(low_water)
     return low_water
+
+
+def check_read_cells(read_cells, name: str = "read_cells") -> None:
+    """SettingError, naming the fix, unless ``read_cells`` is a whole number >= 0, None (no cap) or "auto"."""
+    if read_cells is None or read_cells == "auto":
+        return
+    if isinstance(read_cells, bool) or not isinstance(read_cells, (int, np.integer)) or read_cells < 0:
+        raise SettingError(f"{{read_cells}} {read_cells!r}: give a number of cells >= 0 (0: read in the budget's "
+                           f"context), whole (no cap) or auto", name)
+
+
+def resolve_read_cells(read_cells, recall: bool, tier_limit: int | None, cell_bytes: float) -> int | None:
+    """An engine's ``read_cells``: the one given, or for "auto" — with a recall tier — the cells whose K/V fit the
+    tier's RAM cap (``tier_limit`` bytes; None: no cap), the host memory the chat gave its evicted rows, which hold
+    the reading's after its event anyway; without a tier 0 (read in the budget's context)."""
+    if read_cells != "auto":
+        return read_cells
+    if not recall:
+        return 0
+    return None if tier_limit is None else int(tier_limit // cell_bytes)
 
 
 def check_prefill_observe(prefill_observe: str) -> None:

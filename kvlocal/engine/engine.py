@@ -54,6 +54,7 @@ lock). Several engines may share nothing but the read-only W_O cache.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import weakref
@@ -65,11 +66,12 @@ import numpy as np
 from kvlocal.compress import BIAS_METHODS, Plan, make_scorer, norm_p
 from kvlocal.engine.cells import Cells
 from kvlocal.engine.compressor import Compressor
-from kvlocal.engine.config import DECODE_OBSERVE, OBSERVE_EVERY, PREFILL_OBSERVE, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_ROOM, RECALL_STEP_EVERY, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, resolve_low_water, resolve_method_params, resolve_recall
+from kvlocal.engine.config import DECODE_OBSERVE, OBSERVE_EVERY, PREFILL_OBSERVE, RECALL_CANDIDATES, RECALL_STEP_CANDIDATES, RECALL_STEP_CONFIDENCE, RECALL_ROOM, RECALL_STEP_EVERY, RECALL_STEPS, Budget, EngineConfig, EngineState, EngineStats, check_read_cells, resolve_low_water, resolve_read_cells, resolve_method_params, resolve_recall
 from kvlocal.engine.interrupts import interrupts_deferred
 from kvlocal.engine.observation import Observations, Rope
 from kvlocal.engine.observer import Observer
 from kvlocal.engine.positions import Positions
+from kvlocal.engine.reading import read_whole
 from kvlocal.engine.undo import TurnMark, after_apply, before_apply, before_reposition, open_mark, release, undo
 from kvlocal.errors import CacheFull, RuntimeUnavailable, SettingError, UsageError
 from kvlocal.recall import HostTier, Reselection, TierMemory, tier_figures
@@ -143,12 +145,14 @@ class Engine:
         decode_observe: str = DECODE_OBSERVE,
         low_water: float | None = None,
         prefill_observe: str = PREFILL_OBSERVE,
+        read_cells: int | str | None = 0,
     ):
         budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
         recall = resolve_recall(recall, method)
         self.cfg = EngineConfig(budget, method, chunk, recent, n_sink, max_tokens, observe_every, decode_observe,
                                 prefill_observe, resolve_low_water(low_water, recall))
         self.cfg.validate()
+        check_read_cells(read_cells)
         scorer = make_scorer(method, **resolve_method_params(method, method_params))  # e.g. {"value_norm": "l1"}
         resolve_backend(backend, type_k, type_v, recall=recall)  # a refusal before the model loads
         if method in BIAS_METHODS and not has_attention_bias():
@@ -214,9 +218,14 @@ class Engine:
                              f"recall_step_every {recall_step_every} >= 1")
         if recall_room < 0:
             raise UsageError(f"recall_room {recall_room} must be >= 0 (0: a re-selection keeps the budget's rows)")
+        memory = TierMemory.of(recall_mem)
         self.tier = HostTier(len(self.layers), m.n_head_kv, row_format(type_k, m.arch.head_dim_k),
-                             row_format(type_v, m.arch.head_dim_v), m.arch.head_dim_k, TierMemory.of(recall_mem),
+                             row_format(type_v, m.arch.head_dim_v), m.arch.head_dim_k, memory,
                              recall_dir) if recall else None
+        # a turn longer than the free cells is read in a reading context of up to this many cells (None: no cap;
+        # kvlocal.engine.reading)
+        cell_bytes = kv_cache_bytes(m, 1 << 16, bytes_per_elem=self.bytes_per_value)[0] / (1 << 16)
+        self.read_cells = resolve_read_cells(read_cells, recall, memory.limit, cell_bytes)
         self._marks: list[TurnMark] = []  # turns that may still be undone (:meth:`mark`), oldest first
         self.last_token = -1
         self.prompt_plan: Plan | None = None  # the plan in effect when the prompt ended (--dump-plan)
@@ -280,13 +289,21 @@ class Engine:
         ``progress(done, total)`` is called after every chunk. ``reselect_after``: the caller re-selects the cache
         for a question next (``kvlocal run``'s prompt end, a chat's document before its question), which decodes
         the question afresh — so with a recall tier the prompt's last event is observed as the others are, its probe
-        decoded once in ``observe_every`` events, instead of afresh for a cache nothing generates from. Returns the
-        last logits."""
+        decoded once in ``observe_every`` events, instead of afresh for a cache nothing generates from. With
+        ``read_cells``, a prompt longer than the free cells is read in a reading context on the host and compressed
+        once (:mod:`kvlocal.engine.reading`). Returns the last logits."""
         self._check_usable()
         if len(tokens) == 0:
             raise UsageError("the prompt is empty: give at least one token of text")
         t0 = time.perf_counter()
         self._check_cap(len(tokens))
+        cells = self._reading_cells(len(tokens))
+        with read_whole(self, cells) if cells else contextlib.nullcontext():
+            return self._read(tokens, probe, progress, reselect_after, t0)
+
+    def _read(self, tokens: Sequence[int], probe: Sequence[int] | None, progress, reselect_after: bool,
+              t0: float) -> np.ndarray:
+        """:meth:`prefill`'s chunks and events, in the context the engine uses now."""
         probe = self._probe_tokens(probe)
         self._probe, self._reply = probe, []
         self.observations.drop_tokens()
@@ -299,10 +316,13 @@ class Engine:
                 self._compress(probe, observed, head_budget=self._low_water(len(tokens) - i))
                 continue
             self._fit_positions(room + len(probe))
-            chunk = list(tokens[i:i + room])
+            # at most a batch at a time, so that progress (and a stop asked for there) comes at least that often,
+            # in a reading context too (kvlocal.engine.reading), whose room may be the whole turn
+            chunk = list(tokens[i:i + min(room, self.ctx.n_batch)])
             last = i + len(chunk) >= len(tokens)
-            # a compression may follow the chunk: it is observed
-            follows = self.cfg.method != "full" and self.live_cells() + len(chunk) > self.compressor.settled
+            # a compression may follow the chunk (it fills the cells, or ends the prompt): it is observed
+            follows = (self.cfg.method != "full" and (last or len(chunk) == room)
+                       and self.live_cells() + len(chunk) > self.compressor.settled)
             if self.cfg.prefill_observe == "window" and not last:
                 observed = self.observer.decode_chunk(chunk, probe, follows, window=True)
             else:  # the event that ends the prompt is observed afresh where generation starts from its cache
@@ -534,6 +554,16 @@ class Engine:
             self.positions.move(n)
             return True
         return False
+
+    def _reading_cells(self, n: int) -> int:
+        """The cells of a reading context for a turn of ``n`` tokens (:mod:`kvlocal.engine.reading`): the cells held
+        and the turn's, up to ``read_cells`` (None: no cap); 0 where it would be no larger than the budget's context
+        (a turn that fits the free cells, ``read_cells`` 0, the full cache)."""
+        if self.read_cells == 0 or self.cfg.method == "full" or n <= self._free_cells():
+            return 0
+        need = self.live_cells() + n + self._reserve()
+        cells = need if self.read_cells is None else min(need, self.read_cells)
+        return cells if cells > self.ctx.n_ctx else 0
 
     def _low_water(self, remaining: int) -> int | None:
         """A head's rows after an event inside a prompt with ``remaining`` tokens to read (None: its budget): no

@@ -24,6 +24,9 @@ is where such events happen. ``+window`` (``criticalkv+recall+window``): a promp
 scored by the queries of the chunk's own last tokens, not by a decode of the probe, question or generic (the engine's
 ``prefill_observe="window"``; no ``+everyN`` with it). ``+lowNN`` (``criticalkv+low60``): the prompt's events before
 its last one leave NN% of the budget, so fewer events read it in the same memory (the engine's ``low_water``).
+``+whole`` (``criticalkv+recall+whole``): a prompt longer than the free cells is read whole in a reading context on
+the host and compressed once, so that every row is computed over all that came before it (the engine's
+``read_cells=None``; kvlocal/engine/reading.py).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ EVERY = re.compile(r"\+every(\d+)$")  # the suffix of a method whose probe is de
 KEPT = "kept"  # a part of a method's name (+kept): decode-time events observed by the queries their tokens had
 WINDOW = "window"  # a part of a method's name (+window): a prompt's events observed by their chunk's own last tokens
 LOW = re.compile(r"low(\d+)$")  # a part of a method's name (+low60): a prompt's events leave 60% of the budget
+WHOLE = "whole"  # a part of a method's name (+whole): a long prompt read whole in a reading context, then compressed
 
 
 def _parts(name: str) -> list[str]:
@@ -98,6 +102,11 @@ def prefill_observe(name: str) -> str:
     return WINDOW if WINDOW in _parts(name) else "probe"
 
 
+def read_cells(name: str) -> int | None:
+    """The engine's ``read_cells`` for a method as the eval names it (``+whole``: None, no cap; 0 without)."""
+    return None if WHOLE in _parts(name) else 0
+
+
 def observe_every(name: str) -> int:
     """The engine's ``observe_every`` for a method as the eval names it (``+everyN``; 1 without)."""
     m = EVERY.search(name.partition("@")[0])
@@ -117,18 +126,19 @@ def split_method(name: str) -> tuple[str, tuple[int | None, int | None], bool]:
     norm = any(part in VALUE_NORMS for part in _parts(method))
     kept = KEPT in _parts(method)
     window = WINDOW in _parts(method)
+    whole = WHOLE in _parts(method)
     lows = [int(m.group(1)) for m in map(LOW.match, _parts(method)) if m]
     if any(not 1 <= low <= 100 for low in lows):
         raise ValueError(name)
     method = "+".join(part for i, part in enumerate(method.split("+"))
-                      if i == 0 or (part not in VALUE_NORMS and part not in (KEPT, WINDOW) and not LOW.match(part)))
+                      if i == 0 or (part not in VALUE_NORMS and part not in (KEPT, WINDOW, WHOLE) and not LOW.match(part)))
     recall = method.endswith(RECALL)
     method = method.removesuffix(RECALL)
     if method not in METHODS or (method == "full" and (cache or recall)) or (cache and cache not in CACHES):
         raise ValueError(name)
     if (recall and method in MERGING_METHODS) or (norm and value_norm_refusal(method)):
         raise ValueError(name)
-    if lows and method == "full":  # nothing is compressed
+    if (lows or whole) and method == "full":  # nothing is compressed
         raise ValueError(name)
     if (kept or window) and method in ("full",) + QUERY_FREE:  # nothing observes a probe there
         raise ValueError(name)
@@ -228,7 +238,7 @@ class Runner:
                       n_threads=self.n_threads, type_k=type_k, type_v=type_v, recall=recall,
                       observe_every=observe_every(spec.method), method_params=method_params(spec.method),
                       decode_observe=decode_observe(spec.method), low_water=low_water(spec.method),
-                      prefill_observe=prefill_observe(spec.method))
+                      prefill_observe=prefill_observe(spec.method), read_cells=read_cells(spec.method))
 
     def run(self, spec: Spec, n_items: int | None = None) -> dict:
         """One spec over its task's items -> the record (without the command)."""

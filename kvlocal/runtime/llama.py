@@ -221,7 +221,10 @@ class Context:
         type_k: int | None = None,
         type_v: int | None = None,
         cb_eval=None,
+        offload_kqv: bool = True,
     ):
+        """``offload_kqv``: False keeps the KV cache (and attention over it) in host memory where the model's layers
+        are on a GPU (llama.cpp's ``--no-kv-offload``); on a CPU it changes nothing."""
         lib = llama_lib()
         self.model = model
         params = lib.llama_context_default_params()
@@ -234,6 +237,8 @@ class Context:
         self.n_threads = params.n_threads  # llama.cpp's threads; kvlocal's scoring uses as many
         # AUTO turns flash attention on, which removes kq_soft_max and is slower for decode on CPU
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.offload_kqv = offload_kqv
+        self.flash_attn, self.offload_kqv = flash_attn, offload_kqv
         params.rope_freq_base = rope_freq_base
         self.type_k, self.type_v = type_k, type_v  # None: llama.cpp's default (F16)
         if type_k is not None:

@@ -254,6 +254,29 @@ def test_value_norm_reaches_the_scorer_and_the_saved_session(smollm2_model, tmp_
             Chat(smollm2_model, sampler=Sampler(), budget=128, **kw)
 
 
+@pytest.mark.slow(6)
+def test_a_document_read_whole_keeps_the_budget_and_the_saved_session_keeps_the_setting(smollm2_model, tmp_path):
+    """Chat(read_cells=None) (kvlocal chat --read-cells whole) reads a document longer than the free cells in a
+    reading context and compresses it once, into the same context as a chat that reads it chunk by chunk; a saved
+    session keeps the setting."""
+    chats = {cells: Chat(smollm2_model, sampler=Sampler(), budget=128, read_cells=cells) for cells in (0, None)}
+    try:
+        for chat in chats.values():
+            chat.read(PROSE[:2000], name="doc.txt")
+            assert "".join(chat.ask("Who wrote it?", max_tokens=4))  # the question and a reply: the chat goes on
+        chunked, whole = (chats[c].engine for c in (0, None))
+        assert whole.stats.reading_contexts == 1 and whole.stats.compression_events < chunked.stats.compression_events
+        assert chunked.stats.reading_contexts == 0
+        assert whole.stats.kv_bytes_allocated == chunked.stats.kv_bytes_allocated
+        assert whole.stats.kv_cells_live_peak <= whole.ctx.n_ctx
+        chats[None].save(tmp_path / "whole.kvl")
+    finally:
+        for chat in chats.values():
+            chat.close()
+    with Chat.load(tmp_path / "whole.kvl", model=smollm2_model, sampler=Sampler()) as chat:
+        assert chat.settings.read_cells is None and chat.engine.read_cells is None
+
+
 def test_a_long_line_of_text_is_read_as_text_not_looked_up_as_a_file():
     """``Chat.read("…")`` of one line longer than a file name may be (255 bytes) is the text: looking it up as a
     path raised OSError (ENAMETOOLONG) before."""

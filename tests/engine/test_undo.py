@@ -179,8 +179,10 @@ def test_a_chat_undoes_a_cancelled_message_and_regenerates_on_smollm2(smollm2_mo
     """A message cancelled while it is read, a reply regenerated, and one regenerated after a document was read since
     (regen takes the chat back to before that message): each time the chat goes on as one that never had what was
     undone — the same greedy reply, the same logits — and with the recall tier no turn copied any K/V."""
-    def chat():
-        return Chat(smollm2_model, budget=256, backend=backend, sampler=Sampler(), max_reply=12, n_threads=THREADS)
+    def chat():  # (documents read in the budget's context: a turn read whole copies the budget's cells for its undo,
+        # tests/engine/test_reading.py)
+        return Chat(smollm2_model, budget=256, backend=backend, sampler=Sampler(), max_reply=12, n_threads=THREADS,
+                    read_cells=0)
 
     with chat() as a, chat() as b:
         for c in (a, b):

@@ -65,7 +65,8 @@ def test_plan_runs_the_full_cache_first_and_each_probe_where_it_matters():
 
 
 def test_methods_run_on_quantized_caches_as_method_at_cache():
-    from kvlocal.eval.runner import decode_observe, low_water, method_params, observe_every, prefill_observe, split_method
+    from kvlocal.eval.runner import (decode_observe, low_water, method_params, observe_every, prefill_observe, read_cells,
+                                     split_method)
 
     assert split_method("criticalkv@kv-q8_0") == ("criticalkv", (8, 8), False)
     assert split_method("streaming@q4_0") == ("streaming", (2, None), False)
@@ -93,7 +94,11 @@ def test_methods_run_on_quantized_caches_as_method_at_cache():
     assert split_method("criticalkv+l2+recall+low75+kept+window") == ("criticalkv", (None, None), True)
     assert [prefill_observe(m) for m in ("criticalkv+recall", "snapkv+window", "criticalkv+window+recall@kv-q8_0")] == [
         "probe", "window", "window"]
-    for bad in ("criticalkv+window+every4", "streaming+window", "full+window", "full+low50", "criticalkv+low0", "criticalkv+low101", "full@kv-q8_0", "criticalkv@q3_k", "h2o@kv-q8_0", "kvslimmer+recall", "full+recall", "criticalkv+every0",
+    # +whole: a long prompt read whole in a reading context, then compressed once (the engine's read_cells)
+    assert split_method("criticalkv+l2+recall+whole+low75@kv-q8_0") == ("criticalkv", (8, 8), True)
+    assert [read_cells(m) for m in ("criticalkv+recall", "criticalkv+recall+whole", "snapkv+whole@kv-q8_0")] == [
+        0, None, None]
+    for bad in ("full+whole", "criticalkv+window+every4", "streaming+window", "full+window", "full+low50", "criticalkv+low0", "criticalkv+low101", "full@kv-q8_0", "criticalkv@q3_k", "h2o@kv-q8_0", "kvslimmer+recall", "full+recall", "criticalkv+every0",
                 "criticalkv+every4+recall", "snapkv+l2", "streaming+l1", "defensivekv+l2", "full+kept",
                 "streaming+kept"):
         with pytest.raises(ValueError):
