@@ -3,7 +3,7 @@
     import kvlocal
 
     with kvlocal.Chat("qwen2.5-coder-0.5b", budget=0.1) as chat:
-        chat.read("report.txt")                 # a long document, compressed while it is read
+        chat.read("report.txt")                 # a long document: read whole, then compressed
         for piece in chat.send("Who signed it?"):
             print(piece, end="", flush=True)
         print(chat.status_line())

@@ -29,7 +29,7 @@ cache for the same context (-c) would take. A reply that keeps repeating itself 
   Ctrl-C       stop a reply (what was written stays in the chat); cancel reading a document
   Ctrl-D       exit
 
-  /read FILE     read a text file into the chat now (compressed while it is read); then ask about it
+  /read FILE     read a text file into the chat now (whole, then compressed); then ask about it
   /budget B      change the KV budget (0.1 = a tenth of the context, 2048 = cells): the chat is re-read
   /method M      change the compression method: {methods}
   /regen         take back the last reply and generate it again
@@ -206,6 +206,7 @@ class Repl:
                                 if self.chat.engine.tier is not None else "0: recall off"),
             ("host_tier_cap", _tier_cap_text(f, self.chat.settings.recall_dir)
                               if self.chat.engine.tier is not None else "none: recall off"),
+            ("reading", _reading_text(e, self.chat.engine.read_cells)),
             ("compression", f"{_count(s.compression_events, 'event')}, {e.compression_seconds:.2f} s"
                             + "".join(f", {k} {v:.2f} s" for k, v in e.compression_breakdown.items())
                             + f"; {e.backend} backend, {e.host_kv_bytes / mib:,.1f} MiB of K/V moved by its events"),
@@ -283,6 +284,16 @@ def banner(chat: Chat, info) -> str:
     return (f"kvlocal chat · {chat.model.path.stem} · {budget}: {s.budget_cells:,} tokens in {mib_text(s.kv_bytes)} "
             f"({full_cache_text(s)}) · {s.method}, "
             f"recall {'on' if e.tier is not None else 'off'}, {e.backend} backend · {sampling}{stock}")
+
+
+def _reading_text(e, read_cells: int | None) -> str:
+    """/stats' line on how long turns are read (``--read-cells``; kvlocal/engine/reading.py)."""
+    if read_cells == 0:
+        return "chunk by chunk in the budget's cells (--read-cells 0)"
+    cap = "no cap" if read_cells is None else f"up to {read_cells:,} cells"
+    text = (f"a turn longer than the free cells is read whole in host memory ({cap}), then compressed once: "
+            f"{_count(e.reading_contexts, 'turn')} so far, at most {e.reading_bytes_peak / 2**20:,.1f} MiB while read")
+    return text + (f"; {e.reading_refused} read chunk by chunk (no memory for it)" if e.reading_refused else "")
 
 
 def _tier_cap_text(f: dict, spill_dir: str | None) -> str:

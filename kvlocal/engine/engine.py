@@ -26,6 +26,10 @@ question (``append(..., question=True)``, :meth:`Engine.reselect`) scores the de
 together and swaps rows in and out, inside the same cells: while the question is answered the rows fill the
 context's headroom too (the cells prefill chunks use), and the answer's first compression returns to the budget.
 
+A long turn read whole (``read_cells=``; :mod:`kvlocal.engine.reading`): instead of chunks inside the budget's
+context, the turn is decoded in a reading context in host memory and compressed once, so that every row kept is the
+full cache's; then the cells move to the budget's context, which is the same before and after.
+
 Models with interleaved sliding-window attention (Gemma 3) keep two caches in llama.cpp: the sliding layers'
 cache is bounded by the window already, and llama.cpp keeps it; kvlocal compresses the full-attention layers'
 cache (``model.arch.full_layers``) to the budget. Memory figures count both. Scoring uses the model's own

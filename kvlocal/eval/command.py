@@ -79,9 +79,10 @@ def _check_methods(given) -> None:
             split_method(m)
         except ValueError:
             raise UsageError(f"--methods: unknown {m}; choose from {', '.join(METHOD_CHOICES)}, or METHOD@CACHE with "
-                             f"CACHE of {', '.join(CACHES)} (e.g. criticalkv@kv-q8_0), +everyN with N >= 1, and "
-                             "+l2 or +l1 on a CriticalKV method (criticalkv+l2), +kept, +window (without +everyN) and "
-                             "+lowNN (1 <= NN <= 100) on a compressing method") from None
+                             f"CACHE of {', '.join(CACHES)} (e.g. criticalkv@kv-q8_0), +everyN with N >= 1 (last, "
+                             "before any @CACHE), and +l2 or +l1 on a CriticalKV method (criticalkv+l2), +kept, "
+                             "+window (without +everyN), +whole and +lowNN (1 <= NN <= 100) on a compressing method"
+                             ) from None
 
 
 def check_choices(flag: str, given, allowed) -> None:

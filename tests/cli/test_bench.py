@@ -80,6 +80,22 @@ def test_overhead_compares_low_waters(smollm2):
     assert 1 < half["events"] < whole["events"]
 
 
+@pytest.mark.slow(12)
+def test_overhead_compares_reading_whole(smollm2):
+    """``--read-cells 0 whole``: the same prompt in the same device cells, read chunk by chunk or whole in a reading
+    context in host memory (one event), whose bytes the row reports."""
+    r = run_cli("bench", str(smollm2), "--overhead", "--long", "700", "--budget", "100", "--chunks", "64",
+                "--observe-every", "1", "--decode", "1", "--json", "--backends", "state", "--recall", "on",
+                "--read-cells", "0", "whole")
+    assert r.returncode == 0, r.stderr
+    full, chunked, whole = json.loads(r.stdout)["overhead"]
+    assert (chunked["read_cells"], whole["read_cells"]) == (0, None) and whole["n_ctx"] == chunked["n_ctx"]
+    assert whole["kv_bytes"] == chunked["kv_bytes"] < full["kv_bytes"]
+    assert whole["events"] == 1 < chunked["events"] and chunked["reading_bytes"] == 0
+    assert whole["kv_bytes"] < whole["reading_bytes"] <= full["kv_bytes"]
+    assert_usage_error(run_cli("bench", str(smollm2), "--read-cells", "whole"), "add --overhead")
+
+
 @pytest.mark.slow(16)
 def test_overhead_compares_the_probe_with_the_chunks_window(smollm2):
     """``--prefill-observe probe window``: the probe decoded (once in 1 and in 3 events) and each event before the

@@ -285,6 +285,8 @@ def test_session(term, smollm2, tmp_path):
                     r"[\d,]+ brought back \(a row may come back often\) by \d+ questions?[^\n]*\n"
                     r"  host_tier_cap +[\d,.]+ MiB of RAM \(--recall-mem\), [\d,.]+ MiB held; past it the oldest rows "
                     r"are dropped: 0 so far[^\n]*\n"
+                    r"  reading +a turn longer than the free cells is read whole in host memory \(up to [\d,]+ "
+                    r"cells\), then compressed once: \d+ turns? so far, at most [\d,.]+ MiB while read\n"
                     r"  compression +(\d+) events?, [\d.]+ s[^\n]*\n"
                     r"  speed +last turn: prompt (?:[\d,.]+|–) t/s, gen (?:[\d,.]+|–) t/s; all: read [\d.]+ s, generate [\d.]+ s\n"
                     r"  positions +moved back under the trained 8,192 0 times\n"
