@@ -225,11 +225,14 @@ class Repl:
             raise UsageError("/read needs a file: /read notes.txt")
         path = Path(_one_path(arg)).expanduser()
         update, close = _progress(f"reading {path.name}")
+        e = self.chat.engine.stats
+        before = e.reading_contexts
         try:
             n = self.chat.read(path, progress=update)
         finally:
             close()
-        self.say(f"[read {path.name}: {n:,} tokens; ask about it]")
+        whole = ", read whole in host memory" if e.reading_contexts > before else ""  # (its bytes: /stats)
+        self.say(f"[read {path.name}: {n:,} tokens{whole}; ask about it]")
         self.say(self.chat.status_line())
 
     def budget(self, arg: str) -> None:

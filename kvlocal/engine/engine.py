@@ -222,14 +222,14 @@ class Engine:
                              f"recall_step_every {recall_step_every} >= 1")
         if recall_room < 0:
             raise UsageError(f"recall_room {recall_room} must be >= 0 (0: a re-selection keeps the budget's rows)")
-        memory = TierMemory.of(recall_mem)
+        memory = TierMemory.of(recall_mem) if recall else None
         self.tier = HostTier(len(self.layers), m.n_head_kv, row_format(type_k, m.arch.head_dim_k),
                              row_format(type_v, m.arch.head_dim_v), m.arch.head_dim_k, memory,
                              recall_dir) if recall else None
         # a turn longer than the free cells is read in a reading context of up to this many cells (None: no cap;
         # kvlocal.engine.reading)
         cell_bytes = kv_cache_bytes(m, 1 << 16, bytes_per_elem=self.bytes_per_value)[0] / (1 << 16)
-        self.read_cells = resolve_read_cells(read_cells, recall, memory.limit, cell_bytes)
+        self.read_cells = resolve_read_cells(read_cells, recall, memory and memory.limit, cell_bytes)
         self._marks: list[TurnMark] = []  # turns that may still be undone (:meth:`mark`), oldest first
         self.last_token = -1
         self.prompt_plan: Plan | None = None  # the plan in effect when the prompt ended (--dump-plan)
@@ -562,9 +562,13 @@ class Engine:
     def _reading_cells(self, n: int) -> int:
         """The cells of a reading context for a turn of ``n`` tokens (:mod:`kvlocal.engine.reading`): the cells held
         and the turn's, up to ``read_cells`` (None: no cap); 0 where it would be no larger than the budget's context
-        (a turn that fits the free cells, ``read_cells`` 0, the full cache)."""
+        (a turn that fits the free cells, ``read_cells`` 0, the full cache) or where an endless session's positions
+        would pass the trained context while it is read."""
         if self.read_cells == 0 or self.cfg.method == "full" or n <= self._free_cells():
             return 0
+        if self.endless and self.n_past + n + self._reserve() > self.position_limit:
+            return 0  # its positions move back while it is read: chunk by chunk, as the moves need
+        # (a reading context could move them too, once per window of the limit: not built)
         need = self.live_cells() + n + self._reserve()
         cells = need if self.read_cells is None else min(need, self.read_cells)
         return cells if cells > self.ctx.n_ctx else 0

@@ -232,7 +232,7 @@ def test_value_norm_reaches_the_scorer_and_the_saved_session(smollm2_model, tmp_
     from kvlocal.compress import norm_p
 
     with Chat(smollm2_model, sampler=Sampler(), budget=128, value_norm="l1", low_water=0.5,
-              prefill_observe="window") as chat:
+              prefill_observe="window", read_cells=0) as chat:  # (the reading's events: chunk by chunk)
         chat.read(PROSE[:2000], name="doc.txt")
         s = chat.engine.stats
         assert s.compression_events > 1 and norm_p(chat.engine.scorer) == 1

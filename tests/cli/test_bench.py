@@ -93,7 +93,6 @@ def test_overhead_compares_reading_whole(smollm2):
     assert whole["kv_bytes"] == chunked["kv_bytes"] < full["kv_bytes"]
     assert whole["events"] == 1 < chunked["events"] and chunked["reading_bytes"] == 0
     assert whole["kv_bytes"] < whole["reading_bytes"] <= full["kv_bytes"]
-    assert_usage_error(run_cli("bench", str(smollm2), "--read-cells", "whole"), "add --overhead")
 
 
 @pytest.mark.slow(16)
@@ -218,7 +217,7 @@ def test_an_option_without_the_mode_that_reads_it_is_refused(smollm2):
 
     given = {"--contexts": ["300"], "--configs": ["full"], "--plot": ["x.png"], "--step-confidence": ["1"],
              "--step-every": ["2"], "--decode-observe": ["probe"], "--chunks": ["64"], "--observe-every": ["2"],
-             "--low-waters": ["0.5"], "--probes": ["generic"], "--prefill-observe": ["window"], "--value-norms": ["l1"]}
+             "--low-waters": ["0.5"], "--probes": ["generic"], "--prefill-observe": ["window"], "--value-norms": ["l1"], "--read-cells": ["whole"]}
     assert set(given) == set(MODE_OPTIONS)
     for flag, values in given.items():
         modes = MODE_OPTIONS[flag]

@@ -244,7 +244,7 @@ def test_session(term, smollm2, tmp_path):
     assert 0 < _n(status[2]) < 256
 
     t.line(f"/read {doc.name}")
-    m = t.expect(r"\[read gpl\.txt: ([\d,]+) tokens; ask about it\]")
+    m = t.expect(r"\[read gpl\.txt: ([\d,]+) tokens, read whole in host memory; ask about it\]")
     read = _n(m[1])
     assert read > 1000
     status = t.expect(STATUS)

@@ -106,6 +106,11 @@ def test_a_capped_reading_context_reads_in_fewer_larger_events(tiny, tokens):
     low = engine(tiny, "state", 128)
     low.prefill(turn, probe=turn[-16:])
     assert small.stats.reading_contexts == low.stats.reading_contexts == 0
+    # nor a turn whose positions move back while it is read (an endless session past the trained context)
+    endless = engine(tiny, "state", None, endless=True)
+    endless.position_limit = 600
+    endless.prefill(turn, probe=turn[-16:])
+    assert endless.stats.reading_contexts == 0 and endless.stats.repositions > 0
 
 
 @pytest.mark.parametrize("backend", ["state", "native"])
