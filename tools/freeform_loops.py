@@ -32,7 +32,8 @@ QUESTIONS = [
 CONFIGS = {  # name: Chat keywords
     "full": dict(method="full"),
     "criticalkv 0.1": dict(method="criticalkv", budget=0.1, recall=False),
-    "criticalkv+recall 0.1": dict(method="criticalkv", budget=0.1, recall=True),
+    "criticalkv+recall 0.1, read in chunks": dict(method="criticalkv", budget=0.1, recall=True, read_cells=0),
+    "criticalkv+recall 0.1": dict(method="criticalkv", budget=0.1, recall=True),  # the document read whole
 }
 
 
