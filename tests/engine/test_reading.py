@@ -91,6 +91,22 @@ def test_a_turn_read_whole_leaves_the_full_caches_rows_in_the_same_context(tiny,
     assert whole.live_cells() <= whole.ctx.n_ctx
 
 
+def test_a_sliding_window_model_reads_whole_too(tmp_path):
+    """Gemma 3's iSWA memory: the sliding-window cache moves with the full-attention layers' cells (the sequence
+    state's tail, which llama.cpp refuses to load where its layout differs); the rows kept are the full cache's,
+    and the engine decodes on."""
+    model = Model(tiny_gguf.write_tiny(tmp_path / "gemma3.gguf", arch="gemma3", head_dim=64, n_swa=16, swa_pattern=3))
+    turn = model.tokenize(sample_text(), add_special=False)[:N_TURN]
+    full = Engine(model, "1", "full", max_tokens=1200, n_threads=THREADS)
+    full.prefill(turn)
+    whole = engine(model, "state", None)
+    whole.prefill(turn, probe=turn[-16:])
+    assert whole.stats.reading_contexts == 1 and whole.stats.compression_events == 1
+    assert rows_against_full(whole, full).max() < 2e-3
+    assert whole.live_cells() <= whole.budget_cells and np.array_equal(whole.logits, full.logits)  # (read exactly)
+    assert len(list(whole.generate(8, Sampler(), stop_at_eog=False))) == 8 and whole.n_past == N_TURN + 8
+
+
 def test_a_capped_reading_context_reads_in_fewer_larger_events(tiny, tokens):
     turn = tokens[:900]
     runs = {cells: engine(tiny, "state", cells) for cells in (0, 400)}
