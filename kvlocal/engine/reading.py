@@ -41,8 +41,8 @@ def read_whole(engine, n_cells: int) -> Iterator[None]:
         engine.stats.reading_refused += 1
         yield
         return
-    copy_cells(engine)  # an open turn's undo loads the cells it began with back into the budget's context
     seed = kv.save() if engine.live_cells() else None
+    copy_cells(engine, seed)  # an open turn's undo loads the cells it began with back into the budget's context
     before = engine.n_past, engine.logits, kv.record, engine.compressor.settled, engine.stats.kv_cells_live_peak
 
     def use(ctx) -> None:

@@ -182,11 +182,12 @@ def after_apply(engine, rewrite: Rewrite | None, rows=None) -> None:
             m.held += rewrite.nbytes
 
 
-def copy_cells(engine) -> None:
-    """Copy the cells whole for the open marks that hold no copy (from here on their events need no log)."""
+def copy_cells(engine, cells: np.ndarray | None = None) -> None:
+    """Copy the cells whole for the open marks that hold no copy (from here on their events need no log); ``cells``:
+    the copy, where the caller has just made one (``engine.kv.save()``)."""
     bare = [m for m in engine._marks if m.cells is None]
     if bare:
-        cells = engine.kv.save()
+        cells = engine.kv.save() if cells is None else cells
         _count(engine, cells.nbytes)
         for m in bare:
             m.cells, m.cells_record = cells, engine.kv.record
